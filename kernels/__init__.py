@@ -1,0 +1,23 @@
+"""LS-attention kernels: one entry point, ``ls_attention``, over several backends.
+
+Backends: "reference" (pure JAX, the oracle), "cudnn" (GPU baseline), "pallas_gpu" and
+"pallas_tpu" (our block-sparse Pallas kernels). See ``kernels/api.py``.
+"""
+
+from kernels.api import (
+    DEFAULT_IMPLEMENTATION,
+    IMPLEMENTATIONS,
+    LogitStats,
+    default_implementation,
+    ls_attention,
+    normalize_window_sizes,
+)
+
+__all__ = [
+    "DEFAULT_IMPLEMENTATION",
+    "IMPLEMENTATIONS",
+    "LogitStats",
+    "default_implementation",
+    "ls_attention",
+    "normalize_window_sizes",
+]

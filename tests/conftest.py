@@ -1,0 +1,20 @@
+"""Shared test setup: repo root on sys.path, GPU/TPU markers skipped where absent."""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    backend = jax.default_backend()
+    skip_gpu = pytest.mark.skip(reason=f"needs a GPU; JAX backend is {backend}")
+    skip_tpu = pytest.mark.skip(reason=f"needs a TPU; JAX backend is {backend}")
+    for item in items:
+        if "gpu" in item.keywords and backend != "gpu":
+            item.add_marker(skip_gpu)
+        if "tpu" in item.keywords and backend != "tpu":
+            item.add_marker(skip_tpu)

@@ -1,0 +1,82 @@
+"""Argument parsing and entry functions behind the thin ``train.py`` and ``eval.py`` scripts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Train an LS-attention language model.",
+        epilog="Example: python train.py --config tiny --workdir runs/tiny train.num_steps=200")
+    parser.add_argument("--config", default="tiny", help="named config (configs/): %(default)s")
+    parser.add_argument("--workdir", default=None,
+                        help="run directory (checkpoints, metrics); default runs/<config>. "
+                             "Rerunning the same command resumes from its latest checkpoint.")
+    parser.add_argument("--distributed", action="store_true",
+                        help="call jax.distributed.initialize() (multi-host TPU/GPU)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="config overrides, e.g. train.lr=1e-3 model.window=64")
+    args = parser.parse_args(argv)
+
+    from configs import get_config
+    from ls_jax.mesh import maybe_initialize_distributed
+    from ls_jax.train import TrainingDiverged, train
+
+    try:
+        cfg = get_config(args.config, args.overrides)
+    except ValueError as e:
+        parser.error(str(e))
+    maybe_initialize_distributed(args.distributed)
+    workdir = args.workdir or f"runs/{cfg.name}"
+    try:
+        result = train(cfg, workdir)
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"done: step {result.final_step} in {workdir}"
+          + (" (interrupted; rerun the same command to resume)" if result.interrupted else ""))
+    return 0
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Evaluate a checkpoint written by train.py.")
+    parser.add_argument("--checkpoint", required=True, help="the run directory (train --workdir)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--split", default=None, help="data split (default: the config's eval split)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="sequence length (default: training's); may differ, for length generalisation")
+    parser.add_argument("--max-batches", type=int, default=None, help="cap on batches (default: all)")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: training's")
+    parser.add_argument("--output", default=None, help="JSON output path")
+    args = parser.parse_args(argv)
+
+    from ls_jax.checkpoint import CheckpointError
+    from ls_jax.evaluate import evaluate_checkpoint
+
+    try:
+        result = evaluate_checkpoint(args.checkpoint, step=args.step, split=args.split,
+                                     seq_len=args.seq_len, max_batches=args.max_batches,
+                                     batch_size=args.batch_size, output=args.output)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_eval(result))
+    return 0
+
+
+def format_eval(r: dict) -> str:
+    lines = [
+        f"checkpoint {r['workdir']} step {r['step']} ({r['config']}), split {r['split']}, "
+        f"T={r['seq_len']}, {r['tokens']} tokens in {r['batches']} batches",
+        f"loss {r['loss']:.4f} nats/token  perplexity {r['perplexity']:.3f}  "
+        f"bits/byte {r['bits_per_byte']:.4f}",
+        f"max |attention logit| {r['max_abs_logit']:.3f}  max |lm-head logit| "
+        f"{r['lm_head_max_abs_logit']:.3f}",
+        "max |attention logit| per layer x head:",
+    ]
+    for l, row in enumerate(r["attn_max_abs_logit"]):
+        lines.append(f"  layer {l}: " + "  ".join(f"{v:8.3f}" for v in row))
+    lines.append(f"written to {r['output']}")
+    return "\n".join(lines)

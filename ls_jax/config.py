@@ -1,0 +1,287 @@
+"""Typed, validated configuration: model, data, training, and the whole run.
+
+Configs are frozen dataclasses. ``Config.override(["train.lr=1e-3", "model.n_layer=4"])``
+applies command-line ``section.key=value`` overrides with type checking; unknown keys or bad
+values raise ``ValueError`` listing the valid keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+POS_EMBEDDINGS = ("learned", "rope", "none")
+
+
+def _fail(section: str, key: str, expected: str, got: Any):
+    raise ValueError(f"{section}.{key}: expected {expected}, got {got!r}")
+
+
+def _check_positive_int(section, key, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _fail(section, key, f"an int >= {minimum}", value)
+
+
+def _check_choice(section, key, value, choices):
+    if value not in choices:
+        _fail(section, key, f"one of {choices}", value)
+
+
+def _check_float(section, key, value, lo=None, hi=None, lo_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(section, key, "a number", value)
+    if lo is not None and (value <= lo if lo_open else value < lo):
+        _fail(section, key, f"a number {'>' if lo_open else '>='} {lo}", value)
+    if hi is not None and value > hi:
+        _fail(section, key, f"a number <= {hi}", value)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """GPT-2-style decoder with LS-attention.
+
+    Per layer, heads ``0 .. n_global_heads - 1`` are global and the remaining heads are local
+    with window ``window`` (query i sees keys i - window < j <= i). ``n_global_heads == n_head``
+    is plain multi-head self-attention (MHSA).
+    """
+
+    vocab_size: int = 256
+    n_layer: int = 6
+    d_model: int = 192
+    n_head: int = 6
+    head_dim: int = 32
+    n_kv_head: int | None = None  # None: same as n_head; fewer: grouped-query attention
+    n_global_heads: int = 1
+    window: int = 50
+    max_seq_len: int = 2048  # size of the learned position table
+    pos_embedding: str = "learned"  # "learned" (the paper), "rope" or "none"
+    rope_theta: float = 10_000.0
+    mlp_ratio: int = 4
+    use_bias: bool = False
+    tie_embeddings: bool = False
+    qk_norm: bool = False  # a baseline: LayerNorm on q and k per head before the dot product
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"  # "bfloat16" for mixed precision
+    attn_implementation: str | None = None  # None: best for the platform (see kernels)
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        s = "model"
+        for key in ("vocab_size", "n_layer", "d_model", "n_head", "head_dim", "window",
+                    "max_seq_len", "mlp_ratio"):
+            _check_positive_int(s, key, getattr(self, key))
+        _check_positive_int(s, "n_global_heads", self.n_global_heads, minimum=0)
+        if self.n_global_heads > self.n_head:
+            _fail(s, "n_global_heads", f"an int in [0, n_head={self.n_head}]", self.n_global_heads)
+        if self.n_kv_head is not None:
+            _check_positive_int(s, "n_kv_head", self.n_kv_head)
+            if self.n_head % self.n_kv_head:
+                _fail(s, "n_kv_head", f"a divisor of n_head={self.n_head}", self.n_kv_head)
+        _check_choice(s, "pos_embedding", self.pos_embedding, POS_EMBEDDINGS)
+        if self.pos_embedding == "rope" and self.head_dim % 2:
+            _fail(s, "head_dim", "an even number with pos_embedding='rope'", self.head_dim)
+        _check_float(s, "rope_theta", self.rope_theta, lo=0, lo_open=True)
+        _check_float(s, "init_std", self.init_std, lo=0, lo_open=True)
+        _check_choice(s, "param_dtype", self.param_dtype, DTYPES)
+        _check_choice(s, "compute_dtype", self.compute_dtype, DTYPES)
+        impls = (None, "reference", "cudnn", "pallas_gpu", "pallas_tpu")
+        _check_choice(s, "attn_implementation", self.attn_implementation, impls)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def window_sizes(self) -> tuple[int | None, ...]:
+        """Per-head windows of every layer: None for the global heads, ``window`` for the rest."""
+        return (None,) * self.n_global_heads + (self.window,) * (self.n_head - self.n_global_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Input pipeline.
+
+    source: "stdlib" (offline default: the Python standard library's .py files), "text:<glob>"
+      (local text files) or "tfds:<name>[:<config>]" (tfds.data_source; pg19 for real runs).
+    tokenizer: "bytes" (vocab 256) or "sentencepiece:<path to .model>".
+    """
+
+    source: str = "stdlib"
+    train_split: str = "train"
+    eval_split: str = "validation"
+    text_field: str = "book_text"  # the tfds feature holding the text (pg19: "book_text")
+    data_dir: str | None = None  # tfds data_dir (None: TFDS_DATA_DIR or ~/tensorflow_datasets)
+    tokenizer: str = "bytes"
+    seq_len: int = 256
+    validation_percent: int = 5  # stdlib/text sources: share of files held out, by path hash
+    shuffle_seed: int = 0
+    shuffle_window: int = 1024  # packed sequences shuffled within a window of this many
+    worker_threads: int = 2
+    prefetch: int = 2
+
+    def __post_init__(self):
+        s = "data"
+        if not isinstance(self.source, str) or not (
+                self.source == "stdlib" or self.source.startswith(("text:", "tfds:"))):
+            _fail(s, "source", "'stdlib', 'text:<glob>' or 'tfds:<name>[:<config>]'", self.source)
+        if not isinstance(self.tokenizer, str) or not (
+                self.tokenizer == "bytes" or self.tokenizer.startswith("sentencepiece:")):
+            _fail(s, "tokenizer", "'bytes' or 'sentencepiece:<path>'", self.tokenizer)
+        _check_positive_int(s, "seq_len", self.seq_len)
+        _check_positive_int(s, "validation_percent", self.validation_percent)
+        if self.validation_percent >= 100:
+            _fail(s, "validation_percent", "an int in [1, 99]", self.validation_percent)
+        _check_positive_int(s, "shuffle_seed", self.shuffle_seed, minimum=0)
+        _check_positive_int(s, "shuffle_window", self.shuffle_window)
+        _check_positive_int(s, "worker_threads", self.worker_threads, minimum=0)
+        _check_positive_int(s, "prefetch", self.prefetch, minimum=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and bookkeeping. ``batch_size`` is global (all devices) per optimizer step."""
+
+    seed: int = 0
+    batch_size: int = 16
+    grad_accum_steps: int = 1
+    num_steps: int = 1000
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 100
+    decay_steps: int | None = None  # cosine decay length after warmup; None: until num_steps
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False  # weight decay on embeddings / position tables
+    decay_norms_and_biases: bool = False
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+    z_loss: float = 0.0  # a baseline: coefficient of logsumexp(lm logits)^2 in the loss
+    log_every: int = 10
+    eval_every: int = 0  # 0: only at the end
+    eval_batches: int = 8
+    save_every: int = 200
+    keep_checkpoints: int = 3
+    async_checkpoints: bool = True
+    progress: bool = True
+
+    def __post_init__(self):
+        s = "train"
+        for key in ("batch_size", "grad_accum_steps", "num_steps", "log_every", "eval_batches",
+                    "save_every", "keep_checkpoints"):
+            _check_positive_int(s, key, getattr(self, key))
+        for key in ("seed", "warmup_steps", "eval_every"):
+            _check_positive_int(s, key, getattr(self, key), minimum=0)
+        if self.decay_steps is not None:
+            _check_positive_int(s, "decay_steps", self.decay_steps)
+        if self.batch_size % self.grad_accum_steps:
+            _fail(s, "grad_accum_steps", f"a divisor of batch_size={self.batch_size}",
+                  self.grad_accum_steps)
+        _check_float(s, "lr", self.lr, lo=0, lo_open=True)
+        _check_float(s, "min_lr", self.min_lr, lo=0)
+        if self.min_lr > self.lr:
+            _fail(s, "min_lr", f"a number <= lr={self.lr}", self.min_lr)
+        _check_float(s, "b1", self.b1, lo=0, hi=1)
+        _check_float(s, "b2", self.b2, lo=0, hi=1)
+        _check_float(s, "eps", self.eps, lo=0, lo_open=True)
+        _check_float(s, "weight_decay", self.weight_decay, lo=0)
+        _check_float(s, "grad_clip", self.grad_clip, lo=0)
+        _check_float(s, "z_loss", self.z_loss, lo=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole run: the three sections plus the config's name."""
+
+    name: str = "tiny"
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def __post_init__(self):
+        if self.model.pos_embedding == "learned" and self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len: expected <= model.max_seq_len={self.model.max_seq_len} with "
+                f"learned positions, got {self.data.seq_len}")
+
+    # -- overrides -------------------------------------------------------------------------
+    def override(self, assignments: list[str] | tuple[str, ...]) -> "Config":
+        """Applies ``section.key=value`` strings (value parsed by the field's type)."""
+        sections = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                    if dataclasses.is_dataclass(getattr(self, f.name))}
+        changes: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        for item in assignments:
+            if "=" not in item:
+                raise ValueError(
+                    f"override: expected 'section.key=value', got {item!r}. Valid keys: "
+                    f"{', '.join(valid_keys(self))}")
+            path, raw = item.split("=", 1)
+            section, _, key = path.strip().partition(".")
+            fields = {f.name: f for f in dataclasses.fields(sections[section])} \
+                if section in sections else {}
+            if key not in fields:
+                raise ValueError(
+                    f"override: unknown key {path.strip()!r}. Valid keys: {', '.join(valid_keys(self))}")
+            hint = typing.get_type_hints(type(sections[section]))[key]
+            changes[section][key] = parse_value(path.strip(), raw.strip(), hint)
+        new = {name: dataclasses.replace(sec, **changes[name]) for name, sec in sections.items()}
+        return dataclasses.replace(self, **new)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        def build(dc, values):
+            names = {f.name for f in dataclasses.fields(dc)}
+            unknown = set(values) - names
+            if unknown:
+                raise ValueError(f"config: unknown keys {sorted(unknown)} for {dc.__name__}; "
+                                 f"valid keys: {sorted(names)}")
+            return dc(**values)
+        return cls(name=d.get("name", "custom"), model=build(ModelConfig, d.get("model", {})),
+                   data=build(DataConfig, d.get("data", {})),
+                   train=build(TrainConfig, d.get("train", {})))
+
+
+def valid_keys(cfg: Config) -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cfg):
+        sec = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(sec):
+            keys += [f"{f.name}.{g.name}" for g in dataclasses.fields(sec)]
+    return keys
+
+
+def parse_value(name: str, raw: str, hint) -> Any:
+    """Parses ``raw`` as the annotated type (int, float, bool, str, or Optional of those)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if raw.lower() in ("none", "null"):
+            return None
+        hint = args[0]
+    if hint is bool:
+        if raw.lower() in ("true", "1", "yes"):
+            return True
+        if raw.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(f"{name}: expected a bool (true/false), got {raw!r}")
+    if hint is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{name}: expected an int, got {raw!r}") from None
+    if hint is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{name}: expected a float, got {raw!r}") from None
+    return raw

@@ -1,0 +1,132 @@
+"""Evaluation: loss, perplexity, bits per byte and logit-norm statistics on a data split.
+
+``evaluate_model`` works on an in-memory model (used during training); ``evaluate_checkpoint``
+restores a run directory written by ``train`` (what ``eval.py`` runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ls_jax import data as data_lib
+from ls_jax import mesh as mesh_lib
+from ls_jax.config import Config
+from ls_jax.loss import lm_loss
+from ls_jax.metrics import logit_norm_summary
+from ls_jax.tokenizer import make_tokenizer
+
+_EVAL_FNS: dict[Any, Any] = {}
+
+
+def _eval_fn(graphdef):
+    """jit-compiled (state, batch, byte_lengths) -> sums, one per model structure."""
+    if graphdef not in _EVAL_FNS:
+        def fn(state, batch, byte_lengths_V):
+            model = nnx.merge(graphdef, state)
+            logits_BxTxV, stats = model(batch["inputs"], return_stats=True)
+            _, parts = lm_loss(logits_BxTxV, batch["targets"])
+            n_tokens = batch["targets"].size
+            return {
+                "nats": parts["ce"] * n_tokens,
+                "tokens": jnp.float32(n_tokens),
+                "bytes": jnp.sum(byte_lengths_V[batch["targets"]]).astype(jnp.float32),
+                **stats,
+            }
+        _EVAL_FNS[graphdef] = jax.jit(fn)
+    return _EVAL_FNS[graphdef]
+
+
+def evaluate_model(model: nnx.Module, cfg: Config, *, split: str | None = None,
+                   seq_len: int | None = None, max_batches: int | None = None,
+                   batch_size: int | None = None) -> dict[str, Any]:
+    """Mean loss (nats/token), perplexity, bits per byte and max |logit| stats over a split.
+
+    seq_len may differ from training (length generalisation); the whole split is read once,
+    in order, unless ``max_batches`` caps it.
+    """
+    split = split or cfg.data.eval_split
+    seq_len = seq_len or cfg.data.seq_len
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"max_batches: expected an int >= 1 or None, got {max_batches}")
+    if cfg.model.pos_embedding == "learned" and seq_len > cfg.model.max_seq_len:
+        raise ValueError(
+            f"seq_len: expected <= model.max_seq_len={cfg.model.max_seq_len} (learned positions "
+            f"cannot extrapolate), got {seq_len}")
+    n_dev, n_proc = jax.device_count(), jax.process_count()
+    batch_size = batch_size or cfg.train.batch_size
+    batch_size = max(n_dev, batch_size - batch_size % n_dev)
+    dcfg = dataclasses.replace(cfg.data, seq_len=seq_len)
+    tokenizer = make_tokenizer(dcfg.tokenizer)
+    byte_lengths = jnp.asarray(np.pad(tokenizer.token_byte_lengths(),
+                                      (0, cfg.model.vocab_size - tokenizer.vocab_size)))
+    dataset = data_lib.make_dataset(dcfg, split, batch_size=batch_size // n_proc,
+                                    seed=dcfg.shuffle_seed, shard_index=jax.process_index(),
+                                    shard_count=n_proc, num_epochs=1, shuffle=False)
+    graphdef, state = nnx.split(model)
+    fn = _eval_fn(graphdef)
+    sharding = mesh_lib.batch_sharding(mesh_lib.make_mesh())
+    totals = None
+    n_batches = 0
+    for batch in dataset:
+        batch = mesh_lib.global_batch(batch, sharding)
+        out = jax.device_get(fn(state, batch, byte_lengths))
+        if totals is None:
+            totals = out
+        else:
+            totals = {k: (np.maximum(totals[k], v) if k.endswith("max_abs_logit") else totals[k] + v)
+                      for k, v in out.items()}
+        n_batches += 1
+        if max_batches is not None and n_batches >= max_batches:
+            break
+    if totals is None:
+        raise ValueError(
+            f"split: {split!r} of {dcfg.source!r} gave no full batch of {batch_size} x {seq_len} "
+            f"tokens; use a smaller batch or seq_len")
+    loss = float(totals["nats"] / totals["tokens"])
+    return {
+        "split": split,
+        "seq_len": seq_len,
+        "batches": n_batches,
+        "tokens": int(totals["tokens"]),
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700.0)),
+        "bits_per_byte": float(totals["nats"] / math.log(2) / max(totals["bytes"], 1.0)),
+        **logit_norm_summary(totals["attn_max_abs_logit"], totals["lm_head_max_abs_logit"]),
+    }
+
+
+def evaluate_checkpoint(workdir: str, *, step: int | None = None, split: str | None = None,
+                        seq_len: int | None = None, max_batches: int | None = None,
+                        batch_size: int | None = None, output: str | None = None) -> dict[str, Any]:
+    """Restores ``step`` (default: latest) of the run in ``workdir`` and evaluates it.
+
+    Writes the result as JSON to ``output`` (default ``<workdir>/eval_step<step>_<split>.json``).
+    """
+    from ls_jax.checkpoint import Checkpointer
+    from ls_jax.train import abstract_train_state, load_config
+
+    cfg = load_config(workdir)
+    ckpt = Checkpointer(workdir, create=False)
+    graphdef, abstract = abstract_train_state(cfg)
+    try:
+        step, state = ckpt.restore(step, abstract)
+    finally:
+        ckpt.close()
+    model = nnx.merge(graphdef, state)[0]
+    result = {"workdir": os.path.abspath(workdir), "step": step, "config": cfg.name,
+              **evaluate_model(model, cfg, split=split, seq_len=seq_len, max_batches=max_batches,
+                               batch_size=batch_size)}
+    output = output or os.path.join(workdir, f"eval_step{step}_{result['split']}_T{result['seq_len']}.json")
+    with open(output, "w") as f:
+        json.dump(result, f, indent=2)
+    result["output"] = output
+    return result

@@ -1,0 +1,216 @@
+"""End-to-end training on CPU: one step, learning, resume exactness, checkpoints, eval, stops."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ls_jax.train as train_lib
+from configs import get_config
+from ls_jax.checkpoint import CheckpointError, Checkpointer
+from ls_jax.cli import eval_main
+from ls_jax.evaluate import evaluate_checkpoint
+from ls_jax.metrics import read_jsonl
+from ls_jax.train import TrainingDiverged, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MICRO = [
+    "model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.head_dim=32", "model.window=8",
+    "model.max_seq_len=64", "data.seq_len=64", "data.shuffle_window=64", "train.batch_size=8",
+    "train.warmup_steps=5", "train.log_every=1", "train.eval_batches=2", "train.progress=false",
+    "train.async_checkpoints=false",
+]
+
+
+def micro_config(*extra):
+    return get_config("tiny", MICRO + list(extra))
+
+
+def quiet(_msg):
+    pass
+
+
+def test_one_step_finite_then_fifty_steps_lower_the_loss(tmp_path):
+    cfg = micro_config("train.num_steps=50", "train.save_every=50", "train.lr=3e-3")
+    result = train(cfg, str(tmp_path), log=quiet)
+    assert np.isfinite(result.losses[1])
+    first, last = np.mean([result.losses[s] for s in (1, 2, 3)]), np.mean(
+        [result.losses[s] for s in (48, 49, 50)])
+    assert last < first - 1.0, (first, last)
+    assert result.eval_metrics is not None and np.isfinite(result.eval_metrics["loss"])
+    records = read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+    train_records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train_records] == list(range(1, 51))
+    assert all(len(r["attn_max_abs_logit"]) == 2 and len(r["attn_max_abs_logit"][0]) == 2
+               for r in train_records)
+    assert all(r["max_abs_logit"] == max(max(row) for row in r["attn_max_abs_logit"])
+               for r in train_records)
+    assert all(r["tokens_per_sec"] > 0 and r["lm_head_max_abs_logit"] > 0 for r in train_records)
+    assert any(f.startswith("events.out.tfevents")
+               for f in os.listdir(os.path.join(tmp_path, "tensorboard")))
+    assert Checkpointer(str(tmp_path), create=False).all_steps() == [50]
+
+
+def test_resume_is_bit_exact(tmp_path):
+    """2N steps in one go == N steps, a stop (as a kill would), then the same call again."""
+    n = 6
+    cfg = micro_config(f"train.num_steps={2 * n}", f"train.save_every={n}")
+    whole = train(cfg, str(tmp_path / "whole"), log=quiet)
+    first = train(cfg, str(tmp_path / "split"), stop_after_steps=n, log=quiet)
+    assert first.interrupted and first.final_step == n
+    second = train(cfg, str(tmp_path / "split"), log=quiet)
+    assert second.start_step == n
+    assert sorted(second.losses) == list(range(n + 1, 2 * n + 1))
+    for step in range(n + 1, 2 * n + 1):
+        assert second.losses[step] == whole.losses[step], step  # bit for bit
+    records = read_jsonl(str(tmp_path / "split" / "metrics.jsonl"))
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 2 * n + 1))
+
+
+def test_resume_after_a_mid_interval_stop_replays_from_the_checkpoint(tmp_path):
+    """A kill between checkpoints loses the steps after the last save, and only those."""
+    cfg = micro_config("train.num_steps=8", "train.save_every=4")
+    whole = train(cfg, str(tmp_path / "whole"), log=quiet)
+    run = str(tmp_path / "run")
+    train(cfg, run, stop_after_steps=4, log=quiet)
+    ckpt = Checkpointer(run, create=False)
+    assert ckpt.all_steps() == [4]
+    ckpt.close()
+    resumed = train(cfg, run, log=quiet)
+    assert [resumed.losses[s] for s in range(5, 9)] == [whole.losses[s] for s in range(5, 9)]
+
+
+def test_grad_accumulation_matches_one_big_batch(tmp_path):
+    a = train(micro_config("train.num_steps=2", "train.save_every=2"), str(tmp_path / "a"), log=quiet)
+    b = train(micro_config("train.num_steps=2", "train.save_every=2", "train.grad_accum_steps=2"),
+              str(tmp_path / "b"), log=quiet)
+    assert a.losses[1] == pytest.approx(b.losses[1], rel=1e-5)
+    assert a.losses[2] == pytest.approx(b.losses[2], rel=1e-4)
+
+
+def test_eval_on_a_fresh_checkpoint(tmp_path, capsys):
+    cfg = micro_config("train.num_steps=4", "train.save_every=2")
+    train(cfg, str(tmp_path), log=quiet)
+    r = evaluate_checkpoint(str(tmp_path), max_batches=2)
+    assert r["step"] == 4 and r["batches"] == 2 and r["tokens"] == 2 * 8 * 64
+    assert np.isfinite(r["loss"]) and r["perplexity"] == pytest.approx(np.exp(r["loss"]))
+    # bytes tokenizer: one byte per token except EOS, so bits/byte is close to loss / ln 2
+    assert r["bits_per_byte"] == pytest.approx(r["loss"] / np.log(2), rel=0.05)
+    with open(r["output"]) as f:
+        assert json.load(f)["loss"] == r["loss"]
+    older = evaluate_checkpoint(str(tmp_path), step=2, max_batches=2, seq_len=32)
+    assert older["step"] == 2 and older["seq_len"] == 32 and older["loss"] != r["loss"]
+    assert eval_main(["--checkpoint", str(tmp_path), "--max-batches", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "perplexity" in out and "layer 1:" in out
+
+
+def test_eval_errors_are_clear(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="expected a run directory with config.json"):
+        evaluate_checkpoint(str(tmp_path / "missing"))
+    assert eval_main(["--checkpoint", str(tmp_path / "missing")]) == 2
+    assert "config.json" in capsys.readouterr().err
+    cfg = micro_config("train.num_steps=2", "train.save_every=2")
+    train(cfg, str(tmp_path / "run"), log=quiet)
+    with pytest.raises(CheckpointError, match=r"expected a step in \[2\].*got 7"):
+        evaluate_checkpoint(str(tmp_path / "run"), step=7)
+    with pytest.raises(ValueError, match="seq_len: expected <= model.max_seq_len=64"):
+        evaluate_checkpoint(str(tmp_path / "run"), seq_len=128)
+    # a truncated checkpoint: its array data deleted
+    step_dir = tmp_path / "run" / "checkpoints" / "2" / "state"
+    for root, _, files in os.walk(step_dir):
+        for f in files:
+            if not f.endswith(("_METADATA", "_CHECKPOINT_METADATA")):
+                os.remove(os.path.join(root, f))
+    with pytest.raises(CheckpointError, match="could not be restored"):
+        evaluate_checkpoint(str(tmp_path / "run"))
+    # an empty checkpoint directory
+    empty = tmp_path / "empty"
+    (empty / "checkpoints").mkdir(parents=True)
+    (empty / "config.json").write_text((tmp_path / "run" / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="no finished checkpoint"):
+        evaluate_checkpoint(str(empty))
+
+
+def test_workdir_with_another_config_is_refused(tmp_path):
+    train(micro_config("train.num_steps=1", "train.save_every=1"), str(tmp_path), log=quiet)
+    before = (tmp_path / "config.json").read_text()
+    with pytest.raises(ValueError, match=r"holds a run with a different config \(train.lr: 0.002 -> 0.001"):
+        train(micro_config("train.num_steps=1", "train.save_every=1", "train.lr=1e-3"),
+              str(tmp_path), log=quiet)
+    assert (tmp_path / "config.json").read_text() == before
+
+
+def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    cfg = micro_config("train.num_steps=8", "train.save_every=2")
+    run = str(tmp_path)
+    train(cfg, run, stop_after_steps=4, log=quiet)
+    real_loss = train_lib.lm_loss
+
+    def poisoned(logits, targets, **kw):
+        loss, parts = real_loss(logits, targets, **kw)
+        return loss * jnp.nan, parts
+
+    monkeypatch.setattr(train_lib, "lm_loss", poisoned)
+    with pytest.raises(TrainingDiverged, match=r"diverged at step 5: non-finite loss.*last good checkpoint is step 4"):
+        train(cfg, run, log=quiet)
+    ckpt = Checkpointer(run, create=False)
+    assert ckpt.all_steps() == [2, 4]
+    ckpt.close()
+    monkeypatch.setattr(train_lib, "lm_loss", real_loss)
+    assert train(cfg, run, log=quiet).final_step == 8
+
+
+def test_bad_train_inputs(tmp_path):
+    with pytest.raises(ValueError, match=r"model.vocab_size: expected >= the tokenizer's vocabulary \(256"):
+        train(micro_config("model.vocab_size=100"), str(tmp_path), log=quiet)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    workdir = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", "tiny", "--workdir",
+           str(workdir), *MICRO, "train.num_steps=100000", "train.save_every=100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out
+    assert "stopping at step" in out and "interrupted" in out
+    ckpt = Checkpointer(str(workdir), create=False)
+    steps = ckpt.all_steps()
+    ckpt.close()
+    assert len(steps) == 1 and steps[0] >= 3
+
+
+@pytest.mark.slow
+def test_two_devices_match_one(tmp_path):
+    """Data parallel over 2 CPU devices gives the same losses as 1 device (to fp32 noise)."""
+    script = (
+        "import sys, json; sys.path.insert(0, %r)\n"
+        "from tests.test_train import micro_config\n"
+        "from ls_jax.train import train\n"
+        "import jax\n"
+        "r = train(micro_config('train.num_steps=3', 'train.save_every=3'), sys.argv[1], log=lambda m: None)\n"
+        "print(json.dumps({'devices': jax.device_count(), 'losses': [r.losses[s] for s in (1, 2, 3)]}))\n"
+    ) % ROOT
+    results = {}
+    for n in (1, 2):
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
+                   JAX_PLATFORMS="cpu")
+        out = subprocess.run([sys.executable, "-c", script, str(tmp_path / f"d{n}")], env=env,
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-3000:]
+        results[n] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert results[2]["devices"] == 2
+    np.testing.assert_allclose(results[1]["losses"], results[2]["losses"], rtol=1e-4)

@@ -192,11 +192,12 @@ def _check_finite(step: int, metrics: dict[str, Any], last_saved: int | None) ->
 
 
 def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
-          log: Callable[[str], None] = print) -> TrainResult:
+          stop_at_time: float | None = None, log: Callable[[str], None] = print) -> TrainResult:
     """Trains ``cfg`` in ``workdir``, resuming from its latest checkpoint if there is one.
 
     stop_after_steps: stop (after checkpointing) once this many steps ran in this call, as a
       kill would; the same call again resumes. For tests and time-boxed jobs.
+    stop_at_time: likewise, stop at the first step boundary after this ``time.time()``.
     """
     tcfg, dcfg = cfg.train, cfg.data
     n_dev, n_proc = jax.device_count(), jax.process_count()
@@ -285,8 +286,9 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
                     pending = (step, dev_metrics)
                     if progress is not None:
                         progress.update(1)
-                    stop_now = stop.signum is not None or (
-                        stop_after_steps is not None and ran >= stop_after_steps)
+                    stop_now = (stop.signum is not None
+                                or (stop_after_steps is not None and ran >= stop_after_steps)
+                                or (stop_at_time is not None and time.time() >= stop_at_time))
                     at_eval = tcfg.eval_every and step % tcfg.eval_every == 0
                     if step % tcfg.save_every == 0 or step == tcfg.num_steps or stop_now or at_eval:
                         finish_step(*pending)  # check this step's loss before saving it
@@ -301,7 +303,9 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
                     if stop_now:
                         result.interrupted = True
                         why = (f"signal {stop.signum}" if stop.signum is not None
-                               else f"stop_after_steps={stop_after_steps}")
+                               else f"stop_after_steps={stop_after_steps}"
+                               if stop_after_steps is not None and ran >= stop_after_steps
+                               else "time budget")
                         log(f"stopping at step {step} ({why}); checkpoint saved")
                         break
                 if pending is not None:

@@ -1,0 +1,1 @@
+"""Experiments built on the library (stability: the paper's logit-growth comparison)."""

@@ -62,6 +62,10 @@ def evaluate_model(model: nnx.Module, cfg: Config, *, split: str | None = None,
             f"seq_len: expected <= model.max_seq_len={cfg.model.max_seq_len} (learned positions "
             f"cannot extrapolate), got {seq_len}")
     n_dev, n_proc = jax.device_count(), jax.process_count()
+    if n_proc > 1 and max_batches is None:
+        # unshuffled single-epoch shards can hold different numbers of batches; every process
+        # must run the same number of (collective) steps
+        raise ValueError(f"max_batches: expected an int with {n_proc} processes, got None")
     batch_size = batch_size or cfg.train.batch_size
     batch_size = max(n_dev, batch_size - batch_size % n_dev)
     dcfg = dataclasses.replace(cfg.data, seq_len=seq_len)
@@ -76,17 +80,22 @@ def evaluate_model(model: nnx.Module, cfg: Config, *, split: str | None = None,
     sharding = mesh_lib.batch_sharding(mesh_lib.make_mesh())
     totals = None
     n_batches = 0
-    for batch in dataset:
-        batch = mesh_lib.global_batch(batch, sharding)
-        out = jax.device_get(fn(state, batch, byte_lengths))
-        if totals is None:
-            totals = out
-        else:
-            totals = {k: (np.maximum(totals[k], v) if k.endswith("max_abs_logit") else totals[k] + v)
-                      for k, v in out.items()}
-        n_batches += 1
-        if max_batches is not None and n_batches >= max_batches:
-            break
+    data_iter = iter(dataset)
+    try:
+        for batch in data_iter:
+            batch = mesh_lib.global_batch(batch, sharding)
+            out = jax.device_get(fn(state, batch, byte_lengths))
+            if totals is None:
+                totals = out
+            else:
+                totals = {k: (np.maximum(totals[k], v) if k.endswith("max_abs_logit")
+                              else totals[k] + v) for k, v in out.items()}
+            n_batches += 1
+            if max_batches is not None and n_batches >= max_batches:
+                break
+    finally:
+        if hasattr(data_iter, "close"):
+            data_iter.close()
     if totals is None:
         raise ValueError(
             f"split: {split!r} of {dcfg.source!r} gave no full batch of {batch_size} x {seq_len} "

@@ -323,6 +323,8 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
                 progress.close()
             ckpt.close()
             writer.close()
+            if hasattr(data_iter, "close"):  # stop grain's prefetch threads
+                data_iter.close()
     return result
 
 

@@ -1,0 +1,132 @@
+"""The "pallas_tpu" backend: block-sparse LS-attention as Pallas TPU (Mosaic) kernels.
+
+One pallas_call per pass (forward; dQ; dK/dV) covers every head of the layer, each with its own
+window, and its grid only lists the tiles that intersect each head's band (work lists, see
+``kernels/pallas_tpu_plan.py``): a local head costs about ceil(p / block) + 1 steps per query
+block whatever T is, a global head the lower triangle. Design notes: docs/tpu-kernel.md.
+
+This file holds the layout (to [B, H, T, D], padded), the ``interpret`` argument, and the
+``jax.custom_vjp`` wiring; the kernels are in ``kernels/pallas_tpu_fwd.py`` and
+``kernels/pallas_tpu_bwd.py``. On a machine without a TPU it runs in Pallas' TPU interpret
+mode (``interpret=True`` or a ``pltpu.InterpretParams``), which simulates TPU memory spaces
+and DMAs on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels.api import validate_inputs
+from kernels.pallas_tpu_bwd import dkdv_call, dq_call
+from kernels.pallas_tpu_fwd import forward_call
+from kernels.pallas_tpu_plan import AttentionPlan, make_plan
+from kernels.pallas_tpu_tiles import NUM_LANES, NUM_SUBLANES
+
+
+def interpret_params(interpret) -> pltpu.InterpretParams | None:
+    """False/None: compile for TPU; True: default TPU interpret mode; or an InterpretParams."""
+    if interpret is None or interpret is False:
+        return None
+    if interpret is True:
+        return pltpu.InterpretParams()
+    if isinstance(interpret, pltpu.InterpretParams):
+        return interpret
+    raise ValueError(
+        "interpret: expected a bool or a jax.experimental.pallas.tpu.InterpretParams, got "
+        f"{interpret!r}")
+
+
+def _to_kernel_layout(x_BxTxHxD, plan: AttentionPlan):
+    """[B, T, H, D] -> [B, H, T_pad, D_pad], zero padded."""
+    x = jnp.transpose(x_BxTxHxD, (0, 2, 1, 3))
+    return jnp.pad(x, ((0, 0), (0, 0), (0, plan.seq_len_padded - plan.seq_len),
+                       (0, plan.head_dim_padded - plan.head_dim)))
+
+
+def _from_kernel_layout(x_BxHxTxD, plan: AttentionPlan):
+    return jnp.transpose(x_BxHxTxD[:, :, :plan.seq_len, :plan.head_dim], (0, 2, 1, 3))
+
+
+def _segment_layouts(segment_ids_BxT, plan: AttentionPlan):
+    """int32 segment ids padded to T_pad, as [B, T_pad, 128] lanes and [B, 8, T_pad] sublanes.
+
+    Padding positions get id -1; they are only ever compared with other positions by padding
+    queries, whose outputs are dropped (real queries never see the padding keys after them).
+    """
+    seg = jnp.pad(segment_ids_BxT.astype(jnp.int32),
+                  ((0, 0), (0, plan.seq_len_padded - plan.seq_len)), constant_values=-1)
+    B, Tp = seg.shape
+    return (jax.lax.broadcast_in_dim(seg, (B, Tp, NUM_LANES), (0, 1)),
+            jax.lax.broadcast_in_dim(seg, (B, NUM_SUBLANES, Tp), (0, 2)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(plan: AttentionPlan, q, k, v, segs):
+    """Padded [B, H, T_pad, D_pad] operands -> (o, lse [B, Hq, 1, T_pad], max_abs or None)."""
+    return forward_call(plan, q, k, v, *segs)
+
+
+def _attention_fwd(plan, q, k, v, segs):
+    o, lse, max_abs = forward_call(plan, q, k, v, *segs)
+    return (o, lse, max_abs), (q, k, v, segs, o, lse)
+
+
+def _attention_bwd(plan, residuals, cotangents):
+    q, k, v, segs, o, lse = residuals
+    do, dlse, _ = cotangents  # max |logit| is a statistic: no gradient
+    do = do.astype(q.dtype)
+    # d lse_i / d s_ij = p_ij, so lse's cotangent enters dS = p * (dP - delta) as -dlse
+    delta_Bx1xT = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)[:, :, None, :]
+    delta_Bx1xT = delta_Bx1xT - dlse
+    dq = dq_call(plan, q, k, v, do, lse, delta_Bx1xT, *segs)
+    dk, dv = dkdv_call(plan, q, k, v, do, lse, delta_Bx1xT, *segs)
+    return dq, dk, dv, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def pallas_tpu_attention_parts(q, k, v, window_sizes, segment_ids=None, sm_scale=None, *,
+                               block_q=None, block_k=None, num_chunks: int = 1,
+                               logit_stats: bool = True, interpret=False):
+    """Returns (out [B, T, Hq, D] in q's dtype, lse float32 [B, Hq, T] natural log,
+    max_abs_logit float32 [Hq] or None), differentiable in q, k, v (through out and lse).
+
+    block_q, block_k: multiples of 128 (default: ``default_block_size``); num_chunks: number of
+    independent pieces of each work list (a "parallel" grid axis for multi-core chips).
+    float16 is computed in float32 (cast back at the end).
+    """
+    windows, scale = validate_inputs(q, k, v, window_sizes, segment_ids, sm_scale)
+    B, T, Hq, D = q.shape
+    plan = make_plan(seq_len=T, head_dim=D, windows=windows, num_kv_heads=k.shape[2],
+                     sm_scale=scale, has_segments=segment_ids is not None,
+                     logit_stats=logit_stats, block_q=block_q, block_k=block_k,
+                     num_chunks=num_chunks, interpret=interpret_params(interpret))
+    compute_dtype = jnp.float32 if q.dtype == jnp.float16 else q.dtype
+    q_, k_, v_ = (_to_kernel_layout(x.astype(compute_dtype), plan) for x in (q, k, v))
+    segs = (None, None) if segment_ids is None else _segment_layouts(segment_ids, plan)
+    o, lse, max_abs = _attention(plan, q_, k_, v_, segs)
+    out = _from_kernel_layout(o, plan).astype(q.dtype)
+    lse_BxHxT = lse[:, :, 0, :T]
+    if max_abs is not None:
+        max_abs = jax.lax.stop_gradient(jnp.max(max_abs, axis=(0, 2, 3)))
+    return out, lse_BxHxT, max_abs
+
+
+def pallas_tpu_backend(q, k, v, *, window_sizes, segment_ids, sm_scale, return_logit_stats,
+                       interpret, block_q=None, block_k=None, num_chunks: int = 1):
+    """Backend entry for ``kernels.ls_attention(..., implementation="pallas_tpu")``."""
+    params = interpret_params(interpret)
+    if params is None and jax.default_backend() != "tpu":
+        raise ValueError(
+            "interpret: implementation='pallas_tpu' compiles for TPU, but the JAX backend is "
+            f"{jax.default_backend()!r}; pass interpret=True (or a pltpu.InterpretParams) to "
+            "run it in TPU interpret mode on CPU")
+    out, _, max_abs = pallas_tpu_attention_parts(
+        q, k, v, window_sizes, segment_ids, sm_scale, block_q=block_q, block_k=block_k,
+        num_chunks=num_chunks, logit_stats=return_logit_stats, interpret=params)
+    return out, max_abs

@@ -1,0 +1,60 @@
+"""In-kernel pieces shared by the Pallas TPU forward and backward kernels.
+
+TPU layout rules followed here: a block's last two dimensions are multiples of (8, 128) or the
+whole array dimension; per-row statistics (running max, sum) are kept replicated over the 128
+lanes, shape [rows, 128], and widened with ``jnp.tile`` (so block sizes and the padded head
+dimension are multiples of 128). Segment ids come in two broadcast layouts: "lanes" [T, 128]
+(one id per row, for the operand on the sublane axis of a tile) and "sublanes" [8, T] (one id
+per column, for the operand on the lane axis).
+
+A masked logit becomes the finite ``MASK_VALUE``; its probability is set to 0 explicitly, so a
+row whose first tiles are all masked keeps a zero sum and accumulator until its first real key
+(every real query sees at least its own key).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NUM_LANES = 128
+NUM_SUBLANES = 8
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+# contract the last dimension of both operands: a [m, d] x b [n, d] -> [m, n]
+NT_DIMS = (((1,), (1,)), ((), ()))
+
+
+def widen(x_Nx128: jax.Array, width: int) -> jax.Array:
+    """[N, 128] lane-replicated statistic -> [N, width] (width a multiple of 128)."""
+    repeats, rem = divmod(width, NUM_LANES)
+    if rem:
+        raise ValueError(f"width: expected a multiple of {NUM_LANES}, got {width}")
+    return x_Nx128 if repeats == 1 else jnp.tile(x_Nx128, (1, repeats))
+
+
+def band_mask_QxK(q_first, k_first, block_q: int, block_k: int, window) -> jax.Array:
+    """bool [block_q, block_k]: key k_first + c is in the band of query q_first + r."""
+    d = (q_first + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)) - (
+        k_first + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1))
+    return (d >= 0) & (d < window)
+
+
+def band_mask_KxQ(q_first, k_first, block_q: int, block_k: int, window) -> jax.Array:
+    """bool [block_k, block_q]: the transposed tile (keys on rows), for the dK/dV kernel."""
+    d = (q_first + jax.lax.broadcasted_iota(jnp.int32, (block_k, block_q), 1)) - (
+        k_first + jax.lax.broadcasted_iota(jnp.int32, (block_k, block_q), 0))
+    return (d >= 0) & (d < window)
+
+
+def segment_mask(rows_seg_Rx128: jax.Array, cols_seg_8xC: jax.Array) -> jax.Array:
+    """bool [R, C]: same segment, from a lanes-layout block (rows) and a sublanes-layout block
+    (columns)."""
+    cols = cols_seg_8xC.shape[1]
+    return widen(rows_seg_Rx128, cols) == cols_seg_8xC[:1, :]
+
+
+def max_abs_1x1(x_RxC: jax.Array) -> jax.Array:
+    """float32 [1, 1]: max |x| (x already zeroed outside the allowed pairs)."""
+    return jnp.max(jnp.max(jnp.abs(x_RxC), axis=1, keepdims=True), axis=0, keepdims=True)

@@ -329,7 +329,9 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
 
 
 def _progress_bar(tcfg, start_step: int, enabled: bool):
-    if not enabled:
+    """A tqdm bar on a terminal; elsewhere (logs, CI) None, and the loop prints plain lines."""
+    import sys
+    if not enabled or not sys.stderr.isatty():
         return None
     from tqdm.auto import tqdm
     return tqdm(total=tcfg.num_steps, initial=start_step, unit="step", dynamic_ncols=True,

@@ -37,7 +37,7 @@ from kernels.pallas_tpu_tiles import (
     NUM_SUBLANES,
     band_mask_KxQ,
     band_mask_QxK,
-    segment_mask,
+    tile_mask,
 )
 
 
@@ -72,12 +72,9 @@ def _dq_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
         lse_Qx1 = jnp.expand_dims(lse_ref[0], -1)
         delta_Qx1 = jnp.expand_dims(delta_ref[0], -1)
         p_QxK = jnp.exp(s_QxK - lse_Qx1)
-        mask_QxK = None
-        if band_edge:
-            mask_QxK = band_mask_QxK(q_block * bq, k_block * bk, bq, bk, window_ref[head])
-        if qseg_ref is not None:
-            same = segment_mask(qseg_ref[...], kseg_ref[...])
-            mask_QxK = same if mask_QxK is None else mask_QxK & same
+        band = (band_mask_QxK(q_block * bq, k_block * bk, bq, bk, window_ref[head])
+                if band_edge else None)
+        mask_QxK = tile_mask(band, qseg_ref, kseg_ref)
         if mask_QxK is not None:
             p_QxK = jnp.where(mask_QxK, p_QxK, 0.0)
         dp_QxK = jax.lax.dot_general(do_ref[...], v_ref[...], NT_DIMS,
@@ -114,12 +111,9 @@ def _dkdv_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
         s_KxQ = jax.lax.dot_general(k, q, NT_DIMS,
                                     preferred_element_type=jnp.float32) * plan.sm_scale
         p_KxQ = jnp.exp(s_KxQ - lse_ref[...])  # [1, bq] row broadcast over the key rows
-        mask_KxQ = None
-        if band_edge:
-            mask_KxQ = band_mask_KxQ(q_block * bq, k_block * bk, bq, bk, window_ref[head])
-        if kseg_ref is not None:
-            same = segment_mask(kseg_ref[...], qseg_ref[...])
-            mask_KxQ = same if mask_KxQ is None else mask_KxQ & same
+        band = (band_mask_KxQ(q_block * bq, k_block * bk, bq, bk, window_ref[head])
+                if band_edge else None)
+        mask_KxQ = tile_mask(band, kseg_ref, qseg_ref)
         if mask_KxQ is not None:
             p_KxQ = jnp.where(mask_KxQ, p_KxQ, 0.0)
         dv_scr[...] += jnp.dot(p_KxQ.astype(do.dtype), do, preferred_element_type=jnp.float32)
@@ -154,6 +148,17 @@ def _call(kernel, plan: AttentionPlan, worklist, in_specs, operands, out_shape, 
     )(*scalar_tables(plan, worklist), *operands)
 
 
+def _tile_input_specs(plan: AttentionPlan, maps) -> list:
+    """Block specs of (q, k, v, dO, lse, delta) for one work-list step of either kernel."""
+    bq, bk, Dp = plan.block_q, plan.block_k, plan.head_dim_padded
+    return [pl.BlockSpec((None, None, bq, Dp), maps["q_rows"]),
+            pl.BlockSpec((None, None, bk, Dp), maps["kv_rows"]),
+            pl.BlockSpec((None, None, bk, Dp), maps["kv_rows"]),
+            pl.BlockSpec((None, None, bq, Dp), maps["q_rows"]),
+            pl.BlockSpec((None, None, 1, bq), maps["q_row_vector"]),
+            pl.BlockSpec((None, None, 1, bq), maps["q_row_vector"])]
+
+
 def dq_call(plan: AttentionPlan, q, k, v, do, lse_Bx1xT, delta_Bx1xT, seg_lanes=None,
             seg_sublanes=None):
     """dQ [B, Hq, T_pad, D_pad] in q's dtype. Operands padded as for ``forward_call``;
@@ -161,12 +166,7 @@ def dq_call(plan: AttentionPlan, q, k, v, do, lse_Bx1xT, delta_Bx1xT, seg_lanes=
     bq, bk, Dp = plan.block_q, plan.block_k, plan.head_dim_padded
     wl = plan.forward_worklist()
     maps = index_maps(plan, wl)
-    in_specs = [pl.BlockSpec((None, None, bq, Dp), maps["q_rows"]),
-                pl.BlockSpec((None, None, bk, Dp), maps["kv_rows"]),
-                pl.BlockSpec((None, None, bk, Dp), maps["kv_rows"]),
-                pl.BlockSpec((None, None, bq, Dp), maps["q_rows"]),
-                pl.BlockSpec((None, None, 1, bq), maps["q_row_vector"]),
-                pl.BlockSpec((None, None, 1, bq), maps["q_row_vector"])]
+    in_specs = _tile_input_specs(plan, maps)
     operands = [q, k, v, do, lse_Bx1xT, delta_Bx1xT]
     if plan.has_segments:
         in_specs += [pl.BlockSpec((None, bq, NUM_LANES), maps["q_seg_lanes"]),
@@ -184,12 +184,7 @@ def dkdv_call(plan: AttentionPlan, q, k, v, do, lse_Bx1xT, delta_Bx1xT, seg_lane
     bq, bk, Dp = plan.block_q, plan.block_k, plan.head_dim_padded
     wl = plan.dkdv_worklist()
     maps = index_maps(plan, wl)
-    in_specs = [pl.BlockSpec((None, None, bq, Dp), maps["q_rows"]),
-                pl.BlockSpec((None, None, bk, Dp), maps["kv_rows"]),
-                pl.BlockSpec((None, None, bk, Dp), maps["kv_rows"]),
-                pl.BlockSpec((None, None, bq, Dp), maps["q_rows"]),
-                pl.BlockSpec((None, None, 1, bq), maps["q_row_vector"]),
-                pl.BlockSpec((None, None, 1, bq), maps["q_row_vector"])]
+    in_specs = _tile_input_specs(plan, maps)
     operands = [q, k, v, do, lse_Bx1xT, delta_Bx1xT]
     if plan.has_segments:
         in_specs += [pl.BlockSpec((None, bk, NUM_LANES), maps["k_seg_lanes"]),

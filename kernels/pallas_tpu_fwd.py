@@ -27,7 +27,7 @@ from kernels.pallas_tpu_tiles import (
     NUM_SUBLANES,
     band_mask_QxK,
     max_abs_1x1,
-    segment_mask,
+    tile_mask,
     widen,
 )
 
@@ -64,12 +64,9 @@ def _forward_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
     def tile(band_edge: bool):
         s_QxK = jax.lax.dot_general(q_ref[...], k_ref[...], NT_DIMS,
                                     preferred_element_type=jnp.float32) * plan.sm_scale
-        mask_QxK = None
-        if band_edge:
-            mask_QxK = band_mask_QxK(q_block * bq, k_block * bk, bq, bk, window_ref[head])
-        if qseg_ref is not None:
-            same = segment_mask(qseg_ref[...], kseg_ref[...])
-            mask_QxK = same if mask_QxK is None else mask_QxK & same
+        band = (band_mask_QxK(q_block * bq, k_block * bk, bq, bk, window_ref[head])
+                if band_edge else None)
+        mask_QxK = tile_mask(band, qseg_ref, kseg_ref)
         if mask_QxK is not None:
             s_QxK = jnp.where(mask_QxK, s_QxK, MASK_VALUE)
         if maxabs_scr is not None:

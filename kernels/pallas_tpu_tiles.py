@@ -55,6 +55,15 @@ def segment_mask(rows_seg_Rx128: jax.Array, cols_seg_8xC: jax.Array) -> jax.Arra
     return widen(rows_seg_Rx128, cols) == cols_seg_8xC[:1, :]
 
 
+def tile_mask(band_mask, rows_seg_ref, cols_seg_ref):
+    """A tile's mask: its band mask (None for an interior tile) and, with segment ids, the
+    same-segment mask; None when every pair of the tile is allowed."""
+    if rows_seg_ref is None:
+        return band_mask
+    same = segment_mask(rows_seg_ref[...], cols_seg_ref[...])
+    return same if band_mask is None else band_mask & same
+
+
 def max_abs_1x1(x_RxC: jax.Array) -> jax.Array:
     """float32 [1, 1]: max |x| (x already zeroed outside the allowed pairs)."""
     return jnp.max(jnp.max(jnp.abs(x_RxC), axis=1, keepdims=True), axis=0, keepdims=True)

@@ -89,8 +89,12 @@ def _write_status(out: str, variant: str, status: dict) -> None:
 
 
 def run(out: str, preset: str, variants=VARIANTS, overrides=(), time_budget_s: float | None = None,
-        log=print) -> dict[str, dict]:
-    """Trains each variant (resuming), then writes the report. Returns {variant: status}."""
+        time_per_variant_s: float | None = None, log=print) -> dict[str, dict]:
+    """Trains each variant (resuming), then writes the report. Returns {variant: status}.
+
+    time_budget_s caps this call; time_per_variant_s caps each variant's share of it, so that a
+    slow variant cannot starve the ones after it.
+    """
     from ls_jax.experiments.stability_report import write_report
     from ls_jax.train import TrainingDiverged, train
 
@@ -109,8 +113,11 @@ def run(out: str, preset: str, variants=VARIANTS, overrides=(), time_budget_s: f
         log(f"== {variant}: {cfg.model.window_sizes} qk_norm={cfg.model.qk_norm} "
             f"z_loss={cfg.train.z_loss}")
         t0 = time.time()
+        stop_at = deadline
+        if time_per_variant_s is not None:
+            stop_at = min(stop_at or float("inf"), t0 + time_per_variant_s)
         try:
-            result = train(cfg, os.path.join(out, variant), stop_at_time=deadline, log=log)
+            result = train(cfg, os.path.join(out, variant), stop_at_time=stop_at, log=log)
             status = {"state": "interrupted" if result.interrupted else "finished",
                       "step": result.final_step}
         except TrainingDiverged as e:
@@ -131,6 +138,8 @@ def main(argv=None) -> int:
                         help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--time-budget-s", type=float, default=None,
                         help="stop (checkpointed) after this many seconds; rerun to continue")
+    parser.add_argument("--time-per-variant-s", type=float, default=None,
+                        help="cap on each variant's training time in this call")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="applied to every variant, e.g. train.num_steps=2000 train.lr=6e-4")
     args = parser.parse_args(argv)
@@ -139,7 +148,8 @@ def main(argv=None) -> int:
     if bad:
         parser.error(f"--variants: expected names from {VARIANTS}, got {bad}")
     try:
-        statuses = run(args.out, args.preset, variants, args.overrides, args.time_budget_s)
+        statuses = run(args.out, args.preset, variants, args.overrides, args.time_budget_s,
+                       args.time_per_variant_s)
     except ValueError as e:
         parser.error(str(e))
     print(json.dumps(statuses, indent=2))

@@ -82,3 +82,30 @@ def band_flops(batch: int, seq_len: int, window_sizes, head_dim: int, backward: 
         pairs += w * (w + 1) // 2 + (seq_len - w) * w
     fwd = 4.0 * head_dim * pairs * batch
     return fwd * 3.5 if backward else fwd
+
+
+def kv_full_block_range(q_block, block_q: int, block_k: int, window, seq_len: int):
+    """[first, end) key blocks where every (i, j) of the tile is allowed (no element mask).
+
+    The range may be empty (end <= first). Ignores the tail of the sequence: for a padded
+    sequence pass the padded length, since padding keys are never visible to real queries.
+    """
+    del seq_len  # a global head has no window edge; kept for a signature like the others
+    q_first = q_block * block_q
+    # every query of the block must see k_first..k_last: k_last <= q_first (causal) and
+    # q_last - k_first < window, i.e. k_first >= q_first + block_q - window
+    first = 0 if window is None else cdiv(_max(q_first + block_q - window, 0), block_k)
+    end = (q_first + 1) // block_k
+    return first, end
+
+
+def q_full_block_range(kv_block, block_q: int, block_k: int, window, seq_len: int):
+    """[first, end) query blocks where every (i, j) of the tile is allowed (no element mask).
+
+    The mirror of ``kv_full_block_range`` for the dK/dV loop over query blocks; may be empty.
+    """
+    k_first = kv_block * block_k
+    # q_first >= k_last = k_first + block_k - 1, and q_last - k_first < window
+    first = cdiv(k_first + block_k - 1, block_q)
+    end = cdiv(seq_len, block_q) if window is None else (k_first + window) // block_q
+    return first, end

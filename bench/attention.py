@@ -1,0 +1,269 @@
+"""Benchmark of LS-attention on one GPU: ours (pallas_gpu) against cuDNN and Pallas Triton mha.
+
+Prints one markdown table: forward ms and forward+backward ms, and effective TF/s that count
+only the work inside the band (``kernels.band.band_flops``; full causal for the causal peers).
+
+Rows per (D, n):
+  ours[...]     kernels.pallas_gpu, one call for all heads (per p and head mix; in the
+                "causal" rows every head is global: the same work as the two causal peers)
+  cudnn_ls      the cuDNN composition, implementation="cudnn" (per p and head mix)
+  cudnn_causal  jax.nn.dot_product_attention(implementation="cudnn", is_causal=True), all heads
+  triton_mha    jax.experimental.pallas.ops.gpu.attention.mha(causal=True), all heads
+
+Timing: inputs are fresh normal bf16 arrays (never zeros), rotated among several sets when
+one set is small enough to sit in L2; each sample is the mean of ``--batch`` back-to-back calls
+(so host dispatch overlaps device work), and the table shows the median of ``--reps`` samples
+after ``--warmup`` calls.
+
+Examples:
+  python bench/attention.py --d 64 --n 8192 --p 128 --mix 1g15l,global,local
+  python bench/attention.py --memory            # peak device memory at n=131072, all local
+  python bench/attention.py --cfg fwd_block_k=128,fwd_num_warps=8 --cfg fwd_block_k=64
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernels import ls_attention  # noqa: E402
+from kernels.band import band_flops  # noqa: E402
+from kernels.pallas_gpu import KernelConfig, default_config, pallas_gpu_attention  # noqa: E402
+
+L2_BYTES = 50 * 2**20
+MIXES = ("1g15l", "global", "local")
+
+
+def head_windows(mix: str, num_heads: int, p: int):
+    if mix == "1g15l":
+        return (None,) + (p,) * (num_heads - 1)
+    if mix == "global":
+        return (None,) * num_heads
+    if mix == "local":
+        return (p,) * num_heads
+    raise ValueError(f"--mix: expected one of {MIXES}, got {mix!r}")
+
+
+def parse_config(text: str, dtype, head_dim: int) -> KernelConfig | None:
+    """None (the backend's own default for the call) or the default with overrides."""
+    if not text:
+        return None
+    base = default_config(dtype, head_dim)
+    fields = {f.name for f in dataclasses.fields(KernelConfig)}
+    updates = {}
+    for item in text.split(","):
+        key, value = item.split("=")
+        if key not in fields:
+            raise ValueError(f"--cfg: unknown field {key!r}; expected one of {sorted(fields)}")
+        updates[key] = value if key.endswith("_loop") else int(value)
+    return dataclasses.replace(base, **updates)
+
+
+def make_input_sets(B, n, H, D, dtype, seed):
+    set_bytes = 4 * B * n * H * D * jnp.dtype(dtype).itemsize
+    num_sets = 3 if set_bytes < 4 * L2_BYTES else 1
+    sets = []
+    for s in range(num_sets):
+        keys = jax.random.split(jax.random.key(seed + s), 4)
+        sets.append(tuple(jax.random.normal(kk, (B, n, H, D), dtype) for kk in keys))
+    jax.block_until_ready(sets)
+    return sets
+
+
+def time_ms(fn, input_sets, reps: int, warmup: int, batch: int) -> float:
+    for i in range(warmup):
+        jax.block_until_ready(fn(*input_sets[i % len(input_sets)]))
+    samples = []
+    for r in range(reps):
+        t0 = time.perf_counter()
+        outs = [fn(*input_sets[(r * batch + i) % len(input_sets)]) for i in range(batch)]
+        jax.block_until_ready(outs)
+        samples.append((time.perf_counter() - t0) / batch)
+    return 1e3 * float(np.median(samples))
+
+
+def attention_fns(impl: str, windows, D: int, config: KernelConfig | None):
+    """(forward fn(q,k,v,do) -> out, forward+backward fn(q,k,v,do) -> grads)."""
+    scale = 1.0 / float(np.sqrt(D))
+    if impl.startswith("ours"):
+        def attn(q, k, v):
+            return pallas_gpu_attention(q, k, v, windows, sm_scale=scale, config=config)[0]
+    elif impl == "cudnn_ls":
+        def attn(q, k, v):
+            return ls_attention(q, k, v, windows, sm_scale=scale, implementation="cudnn")
+    elif impl == "cudnn_causal":
+        def attn(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                                implementation="cudnn")
+    elif impl == "triton_mha":
+        from jax.experimental.pallas.ops.gpu.attention import mha
+
+        def attn(q, k, v):
+            return mha(q, k, v, None, sm_scale=scale, causal=True)
+    else:
+        raise ValueError(f"unknown implementation {impl!r}")
+
+    fwd = jax.jit(lambda q, k, v, do: attn(q, k, v))
+
+    def fwd_bwd(q, k, v, do):
+        _, vjp = jax.vjp(attn, q, k, v)
+        return vjp(do)
+
+    return fwd, jax.jit(fwd_bwd)
+
+
+def measure(impl, windows, B, n, H, D, input_sets, args, config=None, flops_windows=None):
+    fwd, fwd_bwd = attention_fns(impl, windows, D, config)
+    flops_windows = windows if flops_windows is None else flops_windows
+    row = {"impl": impl, "fwd_ms": None, "fb_ms": None}
+    try:
+        row["fwd_ms"] = time_ms(fwd, input_sets, args.reps, args.warmup, args.batch)
+        row["fwd_tfs"] = band_flops(B, n, flops_windows, D) / row["fwd_ms"] / 1e9
+        if not args.no_bwd:
+            row["fb_ms"] = time_ms(fwd_bwd, input_sets, args.reps, args.warmup, args.batch)
+            row["fb_tfs"] = band_flops(B, n, flops_windows, D, backward=True) / row["fb_ms"] / 1e9
+    except Exception as e:  # a peer that fails at a size is reported, not fatal
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    return row
+
+
+def fmt(x, digits=3):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def run_sweep(args):
+    dtype = jnp.bfloat16
+    B, H = args.batch_size, args.heads
+    rows = []
+    configs = args.cfg or [""]
+    impls = args.impl.split(",")
+    for D in (int(x) for x in args.d.split(",")):
+        for n in (int(x) for x in args.n.split(",")):
+            input_sets = make_input_sets(B, n, H, D, dtype, seed=n + D)
+            causal = (None,) * H
+            base = {"D": D, "n": n}
+            for impl in ("cudnn_causal", "triton_mha"):
+                if impl in impls and not (impl == "triton_mha" and n > args.triton_max_n):
+                    rows.append({**base, "p": "-", "mix": "causal",
+                                 **measure(impl, causal, B, n, H, D, input_sets, args)})
+            if "ours" in impls and "global" in args.mix.split(","):
+                for text in configs:
+                    cfg = parse_config(text, dtype, D)
+                    rows.append({**base, "p": "-", "mix": "causal", **measure(
+                        "ours" + (f"[{text}]" if text else ""), causal, B, n, H, D,
+                        input_sets, args, cfg)})
+            for p in (int(x) for x in args.p.split(",")):
+                for mix in args.mix.split(","):
+                    if mix == "global":
+                        continue
+                    windows = head_windows(mix, H, p)
+                    if "cudnn_ls" in impls:
+                        rows.append({**base, "p": p, "mix": mix,
+                                     **measure("cudnn_ls", windows, B, n, H, D, input_sets,
+                                               args)})
+                    if "ours" in impls:
+                        for text in configs:
+                            cfg = parse_config(text, dtype, D)
+                            rows.append({**base, "p": p, "mix": mix, **measure(
+                                "ours" + (f"[{text}]" if text else ""), windows, B, n, H, D,
+                                input_sets, args, cfg)})
+                    print(json.dumps(rows[-1]), flush=True)
+            del input_sets
+    return rows
+
+
+def print_table(rows, args):
+    device = jax.devices()[0].device_kind
+    print(f"\n## {device}, {datetime.date.today()}, jax {jax.__version__}, bf16, "
+          f"B={args.batch_size} Hq={args.heads} (Hkv=Hq), median of {args.reps} samples x "
+          f"{args.batch} calls")
+    print("| D | n | p | heads | impl | fwd ms | fwd TF/s | f+b ms | f+b TF/s | note |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['D']} | {r['n']} | {r['p']} | {r['mix']} | {r['impl']} | "
+              f"{fmt(r.get('fwd_ms'))} | {fmt(r.get('fwd_tfs'), 0)} | {fmt(r.get('fb_ms'))} | "
+              f"{fmt(r.get('fb_tfs'), 0)} | {r.get('error', '')} |")
+
+
+def memory_child(impl: str, n: int, args):
+    """Runs one forward+backward at size n (all local, p=128) and prints peak bytes."""
+    B, H, D = args.batch_size, args.heads, 64
+    windows = (128,) * H
+    q, k, v, do = make_input_sets(B, n, H, D, jnp.bfloat16, seed=1)[0]
+    _, fwd_bwd = attention_fns(impl, windows, D, None)
+    jax.block_until_ready(fwd_bwd(q, k, v, do))
+    stats = jax.devices()[0].memory_stats() or {}
+    print(json.dumps({"impl": impl, "n": n, "peak_bytes": stats.get("peak_bytes_in_use"),
+                      "io_bytes": 7 * q.nbytes}))
+
+
+def run_memory(args):
+    print(f"\n## peak device memory, fwd+bwd, B={args.batch_size} Hq={args.heads} D=64, "
+          f"all local p=128, n={args.memory_n}")
+    print("| impl | peak GiB | inputs + grads (q,k,v,do,dq,dk,dv) GiB |")
+    print("|---|---|---|")
+    for impl in args.impl.split(","):
+        if impl not in ("ours", "cudnn_ls"):
+            continue
+        res = subprocess.run([sys.executable, __file__, "--memory-child", impl,
+                              "--memory-n", str(args.memory_n),
+                              "--batch-size", str(args.batch_size), "--heads", str(args.heads)],
+                             capture_output=True, text=True)
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+        if res.returncode or not lines:
+            print(f"| {impl} | failed: {res.stderr.strip().splitlines()[-1][:100]} | - |")
+            continue
+        d = json.loads(lines[-1])
+        print(f"| {impl} | {d['peak_bytes'] / 2**30:.2f} | {d['io_bytes'] / 2**30:.2f} |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--d", default="64,32", help="head sizes, comma separated")
+    ap.add_argument("--n", default="2048,8192,32768", help="sequence lengths")
+    ap.add_argument("--p", default="50,128,512", help="local windows")
+    ap.add_argument("--mix", default="1g15l,global,local", help=f"head mixes among {MIXES}")
+    ap.add_argument("--impl", default="ours,cudnn_ls,cudnn_causal,triton_mha")
+    ap.add_argument("--cfg", action="append",
+                    help="KernelConfig overrides for ours, e.g. fwd_block_k=128,fwd_num_warps=8;"
+                         " repeat to compare variants")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=5, help="back-to-back calls per sample")
+    ap.add_argument("--no-bwd", action="store_true", help="forward only")
+    ap.add_argument("--triton-max-n", type=int, default=32768,
+                    help="skip triton_mha above this n (it is slow)")
+    ap.add_argument("--memory", action="store_true", help="peak memory at --memory-n instead")
+    ap.add_argument("--memory-n", type=int, default=131072)
+    ap.add_argument("--memory-child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.memory_child:
+        memory_child(args.memory_child, args.memory_n, args)
+        return
+    if args.memory:
+        run_memory(args)
+        return
+    rows = run_sweep(args)
+    print_table(rows, args)
+
+
+if __name__ == "__main__":
+    main()

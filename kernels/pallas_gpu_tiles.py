@@ -1,0 +1,107 @@
+"""In-kernel pieces shared by the Pallas GPU forward and backward kernels.
+
+The kernels keep the raw dot products ``q . k`` and apply ``c = sm_scale * log2(e)`` inside
+``exp2`` (``exp2(s * c - m * c)`` is one FMA and one MUFU op per element); the saved
+logsumexp is base 2 (``lse2 = lse * log2(e)``). A key the query may not see gets the finite
+score ``MASKED_SCORE``, and the scaled running max a row's exponents are taken against is
+floored at ``MAX_FLOOR``: so a masked entry gives ``exp2(MASKED_SCORE * c - max) = 0`` exactly,
+also while the row has seen only masked keys (without the floor, an FMA's rounding of two
+huge equal terms can leave +-1e22 in the exponent). ``MASKED_SCORE * c`` stays finite for any
+c up to ~1e8. Every real query row sees at least its own key, so no row ends with only masked
+scores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kernels.band import kv_block_range, kv_full_block_range, q_block_range, q_full_block_range
+
+MASKED_SCORE = -1e30
+MAX_FLOOR = -1e20  # far below any real scaled logit, far above MASKED_SCORE * c
+LOG2_E = math.log2(math.e)
+
+
+def clamp(x, lo, hi):
+    return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def split_kv_loop(q_block, block_q: int, block_k: int, window, seq_len: int):
+    """Three consecutive key-block ranges [first, lo), [lo, hi), [hi, end) of one query block.
+
+    The middle one holds only tiles fully inside the band (no element mask); the outer two
+    hold the boundary tiles (window edge in front, diagonal at the back). Together they are
+    exactly the key blocks that intersect the band, so nothing outside it is loaded.
+    """
+    first, end = kv_block_range(q_block, block_q, block_k, window, seq_len)
+    full_first, full_end = kv_full_block_range(q_block, block_q, block_k, window, seq_len)
+    lo = clamp(full_first, first, end)
+    hi = clamp(full_end, lo, end)
+    return first, lo, hi, end
+
+
+def split_q_loop(kv_block, block_q: int, block_k: int, window, seq_len: int):
+    """Three consecutive query-block ranges of one key block (dK/dV): the front one holds the
+    diagonal tiles, the middle one the tiles fully inside the band, the back one the window
+    edge. Together they are exactly the query blocks whose band reaches the key block."""
+    first, end = q_block_range(kv_block, block_q, block_k, window, seq_len)
+    full_first, full_end = q_full_block_range(kv_block, block_q, block_k, window, seq_len)
+    lo = clamp(full_first, first, end)
+    hi = clamp(full_end, lo, end)
+    return first, lo, hi, end
+
+
+def band_mask_QxK(q_first, k_first, block_q: int, block_k: int, window):
+    """bool [block_q, block_k]: key k_first + c is inside the band of query q_first + r."""
+    i_Qx1 = q_first + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+    j_1xK = k_first + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+    d = i_Qx1 - j_1xK
+    return (d >= 0) & (d < window)
+
+
+def band_mask_KxQ(q_first, k_first, block_q: int, block_k: int, window):
+    """bool [block_k, block_q]: the transpose of ``band_mask_QxK`` (for the dK/dV tiles)."""
+    j_Kx1 = k_first + jax.lax.broadcasted_iota(jnp.int32, (block_k, block_q), 0)
+    i_1xQ = q_first + jax.lax.broadcasted_iota(jnp.int32, (block_k, block_q), 1)
+    d = i_1xQ - j_Kx1
+    return (d >= 0) & (d < window)
+
+
+LOOP_MODES = ("split", "cond", "masked")
+
+
+def mask_scores(s, ok_fn, masking):
+    """Applies the element mask ``ok_fn()`` to scores ``s`` as ``masking`` says.
+
+    masking: "none" (interior tile), "always" (boundary tile), or a traced bool scalar that
+    says at run time whether this tile needs the mask (one loop over all tiles).
+    """
+    if isinstance(masking, str):
+        if masking == "none":
+            return s
+        return jnp.where(ok_fn(), s, MASKED_SCORE)
+    return jax.lax.cond(masking, lambda x: jnp.where(ok_fn(), x, MASKED_SCORE),
+                        lambda x: x, s)
+
+
+def run_band_loop(first, lo, hi, end, tile, carry, mode: str):
+    """Runs ``carry = tile(j, carry, masking)`` for j in [first, end).
+
+    [lo, hi) are the interior tiles (no element mask). mode "split": three loops, masks
+    compiled only into the outer two; "cond": one loop, the mask behind a run-time branch
+    (one software pipeline for short loops); "masked": one loop, every tile masked (needed
+    when a segment mask applies everywhere).
+    """
+    if mode == "masked":
+        return jax.lax.fori_loop(first, end, lambda j, c: tile(j, c, "always"), carry)
+    if mode == "cond":
+        return jax.lax.fori_loop(
+            first, end, lambda j, c: tile(j, c, (j < lo) | (j >= hi)), carry)
+    if mode != "split":
+        raise ValueError(f"loop mode: expected one of {LOOP_MODES}, got {mode!r}")
+    carry = jax.lax.fori_loop(first, lo, lambda j, c: tile(j, c, "always"), carry)
+    carry = jax.lax.fori_loop(lo, hi, lambda j, c: tile(j, c, "none"), carry)
+    return jax.lax.fori_loop(hi, end, lambda j, c: tile(j, c, "always"), carry)

@@ -36,6 +36,9 @@ def test_smoke_run_writes_metrics_plot_and_table(tmp_path):
     # a second call resumes nothing: every variant is finished
     again = stability.run(out, "smoke", log=lambda m: None)
     assert all(s["state"] == "finished" and "seconds_this_call" in s for s in again.values())
+    # the same out dir with other settings is refused
+    with pytest.raises(ValueError, match=r"holds a run with a different config \(train.lr"):
+        stability.run(out, "smoke", overrides=["train.lr=1e-3"], log=lambda m: None)
 
 
 def test_variant_configs():

@@ -89,22 +89,25 @@ def _write_status(out: str, variant: str, status: dict) -> None:
 
 
 def run(out: str, preset: str, variants=VARIANTS, overrides=(), time_budget_s: float | None = None,
-        time_per_variant_s: float | None = None, log=print) -> dict[str, dict]:
+        time_per_variant_s: float | None = None, report_only: bool = False,
+        log=print) -> dict[str, dict]:
     """Trains each variant (resuming), then writes the report. Returns {variant: status}.
 
     time_budget_s caps this call; time_per_variant_s caps each variant's share of it, so that a
     slow variant cannot starve the ones after it.
     """
     from ls_jax.experiments.stability_report import write_report
-    from ls_jax.train import TrainingDiverged, train
+    from ls_jax.train import TrainingDiverged, train, write_or_check_config
 
     base = base_config(preset).override(list(overrides))
     deadline = None if time_budget_s is None else time.time() + time_budget_s
     statuses = {}
     for variant in variants:
         cfg = variant_config(base, variant)
+        # an out dir that holds these variants with other settings is refused, not mixed
+        write_or_check_config(cfg, os.path.join(out, variant))
         status = read_status(out, variant)
-        if status["state"] in ("finished", "diverged"):
+        if report_only or status["state"] in ("finished", "diverged"):
             statuses[variant] = status
             continue
         if deadline is not None and time.time() >= deadline:
@@ -140,6 +143,8 @@ def main(argv=None) -> int:
                         help="stop (checkpointed) after this many seconds; rerun to continue")
     parser.add_argument("--time-per-variant-s", type=float, default=None,
                         help="cap on each variant's training time in this call")
+    parser.add_argument("--report-only", action="store_true",
+                        help="only rewrite results.md and stability.png from the out dir")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="applied to every variant, e.g. train.num_steps=2000 train.lr=6e-4")
     args = parser.parse_args(argv)
@@ -149,7 +154,7 @@ def main(argv=None) -> int:
         parser.error(f"--variants: expected names from {VARIANTS}, got {bad}")
     try:
         statuses = run(args.out, args.preset, variants, args.overrides, args.time_budget_s,
-                       args.time_per_variant_s)
+                       args.time_per_variant_s, args.report_only)
     except ValueError as e:
         parser.error(str(e))
     print(json.dumps(statuses, indent=2))

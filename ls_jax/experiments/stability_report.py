@@ -90,7 +90,7 @@ def plot(out: str, series: dict[str, list[dict]]) -> str:
             ax_loss.plot([r["step"] for r in evals], [r["eval/loss"] for r in evals], "o--",
                          color=line.get_color(), label=f"{name} val")
     ax_logit.set(xlabel="step", ylabel="max |pre-softmax logit| (max over layers, heads)",
-                 title="attention logit growth")
+                 title="attention logit growth", yscale="log")
     ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title="training / validation loss")
     for ax in (ax_logit, ax_loss):
         ax.grid(alpha=0.3)

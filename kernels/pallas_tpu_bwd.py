@@ -30,13 +30,14 @@ from kernels.pallas_tpu_fwd import (
     scalar_tables,
     step_index,
 )
-from kernels.pallas_tpu_plan import ACTIVE, FIRST, LAST, MASKED, AttentionPlan, unpack_step
+from kernels.pallas_tpu_plan import FIRST, LAST, AttentionPlan, unpack_step
 from kernels.pallas_tpu_tiles import (
     NT_DIMS,
     NUM_LANES,
     NUM_SUBLANES,
     band_mask_KxQ,
     band_mask_QxK,
+    run_tile,
     tile_mask,
 )
 
@@ -82,10 +83,7 @@ def _dq_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
         ds_QxK = p_QxK * (dp_QxK - delta_Qx1)
         dq_scr[...] += jnp.dot(ds_QxK.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-    active = (flags & ACTIVE) != 0
-    edge = (flags & MASKED) != 0
-    pl.when(active & edge)(lambda: tile(True))
-    pl.when(active & jnp.logical_not(edge))(lambda: tile(False))
+    run_tile(flags, tile)
 
     @pl.when((flags & LAST) != 0)
     def _finish():
@@ -122,10 +120,7 @@ def _dkdv_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
         ds_KxQ = p_KxQ * (dp_KxQ - delta_ref[...])
         dk_scr[...] += jnp.dot(ds_KxQ.astype(q.dtype), q, preferred_element_type=jnp.float32)
 
-    active = (flags & ACTIVE) != 0
-    edge = (flags & MASKED) != 0
-    pl.when(active & edge)(lambda: tile(True))
-    pl.when(active & jnp.logical_not(edge))(lambda: tile(False))
+    run_tile(flags, tile)
 
     @pl.when((flags & LAST) != 0)
     def _finish():

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.pallas_tpu_plan import ACTIVE, FIRST, LAST, MASKED, AttentionPlan, unpack_step
+from kernels.pallas_tpu_plan import FIRST, LAST, AttentionPlan, unpack_step
 from kernels.pallas_tpu_tiles import (
     MASK_VALUE,
     NT_DIMS,
@@ -27,6 +27,7 @@ from kernels.pallas_tpu_tiles import (
     NUM_SUBLANES,
     band_mask_QxK,
     max_abs_1x1,
+    run_tile,
     tile_mask,
     widen,
 )
@@ -84,10 +85,7 @@ def _forward_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
             p_QxK.astype(v.dtype), v, preferred_element_type=jnp.float32)
         m_scr[...] = m_next_Qx128
 
-    active = (flags & ACTIVE) != 0
-    edge = (flags & MASKED) != 0
-    pl.when(active & edge)(lambda: tile(True))
-    pl.when(active & jnp.logical_not(edge))(lambda: tile(False))
+    run_tile(flags, tile)
 
     @pl.when((flags & LAST) != 0)
     def _finish():

@@ -17,6 +17,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+
+from kernels.pallas_tpu_plan import ACTIVE, MASKED
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
@@ -67,3 +70,12 @@ def tile_mask(band_mask, rows_seg_ref, cols_seg_ref):
 def max_abs_1x1(x_RxC: jax.Array) -> jax.Array:
     """float32 [1, 1]: max |x| (x already zeroed outside the allowed pairs)."""
     return jnp.max(jnp.max(jnp.abs(x_RxC), axis=1, keepdims=True), axis=0, keepdims=True)
+
+
+def run_tile(flags, tile) -> None:
+    """Runs ``tile(band_edge)`` on an active work-list step: the masked variant on band-edge
+    tiles, the unmasked fast path on tiles inside the band."""
+    active = (flags & ACTIVE) != 0
+    edge = (flags & MASKED) != 0
+    pl.when(active & edge)(lambda: tile(True))
+    pl.when(active & jnp.logical_not(edge))(lambda: tile(False))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import json
 import os
 import subprocess
@@ -128,11 +127,32 @@ def attention_fns(impl: str, windows, D: int, config: KernelConfig | None):
     return fwd, jax.jit(fwd_bwd)
 
 
+def rel_err(got, want) -> float:
+    got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
+    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
+def check_against_cudnn(fwd, fwd_bwd, windows, D, inputs, no_bwd: bool) -> str:
+    """Relative errors of out (and dq, dk, dv) against the cuDNN composition on one input set;
+    the error text of the row if any is >= 1e-2 or not finite."""
+    ref_fwd, ref_fwd_bwd = attention_fns("cudnn_ls", windows, D, None)
+    errs = {"out": rel_err(fwd(*inputs), ref_fwd(*inputs))}
+    if not no_bwd:
+        for name, g, w in zip(("dq", "dk", "dv"), fwd_bwd(*inputs), ref_fwd_bwd(*inputs)):
+            errs[name] = rel_err(g, w)
+    text = " ".join(f"{k} {v:.1e}" for k, v in errs.items())
+    bad = [k for k, v in errs.items() if not v < 1e-2]
+    return f"WRONG ({', '.join(bad)}): {text}" if bad else text
+
+
 def measure(impl, windows, B, n, H, D, input_sets, args, config=None, flops_windows=None):
     fwd, fwd_bwd = attention_fns(impl, windows, D, config)
     flops_windows = windows if flops_windows is None else flops_windows
     row = {"impl": impl, "fwd_ms": None, "fb_ms": None}
     try:
+        if args.check and impl.startswith("ours"):
+            row["check"] = check_against_cudnn(fwd, fwd_bwd, windows, D, input_sets[0],
+                                               args.no_bwd)
         row["fwd_ms"] = time_ms(fwd, input_sets, args.reps, args.warmup, args.batch)
         row["fwd_tfs"] = band_flops(B, n, flops_windows, D) / row["fwd_ms"] / 1e9
         if not args.no_bwd:
@@ -196,9 +216,10 @@ def print_table(rows, args):
     print("| D | n | p | heads | impl | fwd ms | fwd TF/s | f+b ms | f+b TF/s | note |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        note = " ".join(x for x in (r.get("error", ""), r.get("check", "")) if x)
         print(f"| {r['D']} | {r['n']} | {r['p']} | {r['mix']} | {r['impl']} | "
               f"{fmt(r.get('fwd_ms'))} | {fmt(r.get('fwd_tfs'), 0)} | {fmt(r.get('fb_ms'))} | "
-              f"{fmt(r.get('fb_tfs'), 0)} | {r.get('error', '')} |")
+              f"{fmt(r.get('fb_tfs'), 0)} | {note} |")
 
 
 def memory_child(impl: str, n: int, args):
@@ -249,6 +270,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=5, help="back-to-back calls per sample")
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
+    ap.add_argument("--check", action="store_true",
+                    help="also check each ours row against the cuDNN composition (rel. error)")
     ap.add_argument("--triton-max-n", type=int, default=32768,
                     help="skip triton_mha above this n (it is slow)")
     ap.add_argument("--memory", action="store_true", help="peak memory at --memory-n instead")

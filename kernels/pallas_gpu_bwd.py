@@ -6,12 +6,14 @@ logsumexp ``lse2``: ``p = exp2(s * c - lse2)`` with ``c = sm_scale * log2(e)``; 
 ``dQ = sm_scale * ds . K``, ``dK = sm_scale * ds^T . Q``, ``dV = p^T . dO``.
 
 - dQ: one program per (batch, query head, query block), looping over the key blocks of the
-  head's band exactly like the forward kernel.
+  head's band exactly like the forward kernel. By default it also computes ``delta`` from
+  its O and dO tiles and writes it out for the dK/dV kernel (no separate pass over O, dO).
 - dK/dV: one program per (batch, kv head, key block), looping over the query heads that share
   the kv head (GQA) and, for each, over only the query blocks whose band reaches the key block
   (about ceil(p / block_q) + 1 of them for a local head).
 
-Both take a schedule table (longest programs first) and per-head windows, like the forward.
+Like the forward, each kernel compiles one static tile path per class of head present (wide,
+narrow: ``kernels.pallas_gpu_tiles.ClassPaths``) behind a run-time branch. Both take a schedule table (longest programs first).
 """
 
 from __future__ import annotations
@@ -23,161 +25,223 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.pallas_gpu_tiles import (LOG2_E, band_mask_KxQ, band_mask_QxK, mask_scores,
-                                      run_band_loop, split_kv_loop, split_q_loop)
+from kernels.pallas_gpu_tiles import (LOG2_E, ClassPaths, TilePath, band_mask_KxQ,
+                                      band_mask_QxK, mask_scores, run_band_loop, run_by_class,
+                                      split_kv_loop, split_q_loop)
 
 
-def _dq_kernel(schedule_ref, window_ref, q_ref, k_ref, v_ref, *refs, block_q: int,
-               block_k: int, num_q_blocks: int, group: int, seq_len: int,
-               score_scale: float, sm_scale: float, has_segments: bool,
-               loop_mode: str):
-    if has_segments:
-        segment_ref, *refs = refs
-    do_ref, lse_ref, delta_ref, dq_ref = refs
+class _DqProgram:
+    def __init__(self, refs, *, b, h, kv_head, window, seq_len, score_scale, sm_scale,
+                 has_segments):
+        (self.q_ref, self.k_ref, self.v_ref, self.segment_ref, self.do_ref, self.o_ref,
+         self.lse_ref, self.delta_ref, self.dq_ref, self.delta_out_ref) = refs
+        self.b, self.h, self.kv_head, self.window = b, h, kv_head, window
+        self.seq_len, self.score_scale, self.sm_scale = seq_len, score_scale, sm_scale
+        self.has_segments = has_segments
 
-    b = pl.program_id(0)
-    item = schedule_ref[pl.program_id(1)]
-    h = jax.lax.div(item, num_q_blocks)
-    q_block = jax.lax.rem(item, num_q_blocks)
-    kv_head = jax.lax.div(h, group)
-    window = window_ref[h]
-    q_first = q_block * block_q
-    rows = pl.ds(q_first, block_q)
-
-    q_QxD = q_ref[b, rows, h, :]
-    do_QxD = do_ref[b, rows, h, :]
-    lse_Q = lse_ref[b, h, rows]
-    delta_Q = delta_ref[b, h, rows]
-    seg_q = segment_ref[b, rows] if has_segments else None
-
-    def tile(j, dq_QxD, masking):
-        k_first = j * block_k
-        cols = pl.ds(k_first, block_k)
-        k_KxD = k_ref[b, cols, kv_head, :]
-        v_KxD = v_ref[b, cols, kv_head, :]
+    def step(self, rows, q_first, j, path: TilePath, masking, dq_QxD):
+        """dq += ds . K for key block ``j``."""
+        q_QxD, do_QxD, lse_Q, delta_Q = rows
+        b, bq, bk = self.b, path.block_q, path.block_k
+        k_first = j * bk
+        cols = pl.ds(k_first, bk)
+        k_KxD = self.k_ref[b, cols, self.kv_head, :]
+        v_KxD = self.v_ref[b, cols, self.kv_head, :]
         s_QxK = plgpu.dot(q_QxD, k_KxD, trans_b=True)
 
         def ok_QxK():
-            ok = band_mask_QxK(q_first, k_first, block_q, block_k, window)
-            if has_segments:
-                ok = ok & (seg_q[:, None] == segment_ref[b, cols][None, :])
+            ok = band_mask_QxK(q_first, k_first, bq, bk, self.window)
+            if self.has_segments:
+                seg_q = self.segment_ref[b, pl.ds(q_first, bq)]
+                ok = ok & (seg_q[:, None] == self.segment_ref[b, cols][None, :])
             return ok
 
         s_QxK = mask_scores(s_QxK, ok_QxK, masking)
-        p_QxK = jnp.exp2(s_QxK * score_scale - lse_Q[:, None])
+        p_QxK = jnp.exp2(s_QxK * self.score_scale - lse_Q[:, None])
         dp_QxK = plgpu.dot(do_QxD, v_KxD, trans_b=True)
         ds_QxK = p_QxK * (dp_QxK - delta_Q[:, None])
         return dq_QxD + plgpu.dot(ds_QxK.astype(k_KxD.dtype), k_KxD)
 
-    first, lo, hi, end = split_kv_loop(q_block, block_q, block_k, window, seq_len)
-    dq_QxD = run_band_loop(first, lo, hi, end, tile, jnp.zeros(q_QxD.shape, jnp.float32),
-                           "masked" if has_segments else loop_mode)
-    dq_ref[b, rows, h, :] = (dq_QxD * sm_scale).astype(dq_ref.dtype)
+    def one_block(self, path: TilePath, q_block):
+        b, h, bq, bk = self.b, self.h, path.block_q, path.block_k
+        q_first = q_block * bq
+        rows = pl.ds(q_first, bq)
+        do_QxD = self.do_ref[b, rows, h, :]
+        if self.o_ref is None:  # delta computed outside
+            delta_Q = self.delta_ref[b, h, rows]
+        else:
+            o_QxD = self.o_ref[b, rows, h, :]
+            delta_Q = jnp.sum(o_QxD.astype(jnp.float32) * do_QxD.astype(jnp.float32), axis=1)
+            self.delta_out_ref[b, h, rows] = delta_Q
+        row_data = (self.q_ref[b, rows, h, :], do_QxD, self.lse_ref[b, h, rows], delta_Q)
+
+        def tile(j, dq_QxD, masking):
+            return self.step(row_data, q_first, j, path, masking, dq_QxD)
+
+        first, lo, hi, end = split_kv_loop(q_block, bq, bk, self.window, self.seq_len)
+        dq_QxD = run_band_loop(first, lo, hi, end, tile, jnp.zeros(do_QxD.shape, jnp.float32),
+                               "masked" if self.has_segments else path.loop_mode)
+        self.dq_ref[b, rows, h, :] = (dq_QxD * self.sm_scale).astype(self.dq_ref.dtype)
 
 
-def _dkdv_kernel(schedule_ref, window_ref, q_ref, k_ref, v_ref, *refs, block_q: int,
-                 block_k: int, num_k_blocks: int, group: int, seq_len: int,
-                 score_scale: float, sm_scale: float, has_segments: bool,
-                 loop_mode: str):
+def _dq_kernel(schedule_ref, head_ref, q_ref, k_ref, v_ref, *refs, paths: ClassPaths,
+               num_slots: int, group: int, seq_len: int, score_scale: float, sm_scale: float,
+               has_segments: bool, delta_in_kernel: bool):
+    segment_ref = o_ref = delta_ref = delta_out_ref = None
+    if has_segments:
+        segment_ref, *refs = refs
+    if delta_in_kernel:
+        do_ref, o_ref, lse_ref, dq_ref, delta_out_ref = refs
+    else:
+        do_ref, lse_ref, delta_ref, dq_ref = refs
+
+    b = pl.program_id(0)
+    item = schedule_ref[pl.program_id(1)]
+    h = jax.lax.div(item, num_slots)
+    program = _DqProgram(
+        (q_ref, k_ref, v_ref, segment_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref,
+         delta_out_ref), b=b, h=h, kv_head=jax.lax.div(h, group), window=head_ref[0, h],
+        seq_len=seq_len, score_scale=score_scale, sm_scale=sm_scale,
+        has_segments=has_segments)
+    slot = jax.lax.rem(item, num_slots)
+    run_by_class(head_ref[1, h], paths, lambda path: program.one_block(path, slot))
+
+
+class _DkdvProgram:
+    def __init__(self, refs, *, b, kv_head, group, seq_len, score_scale, sm_scale,
+                 has_segments):
+        (self.window_ref, self.q_ref, self.k_ref, self.v_ref, self.segment_ref, self.do_ref,
+         self.lse_ref, self.delta_ref, self.dk_ref, self.dv_ref) = refs
+        self.b, self.kv_head, self.group = b, kv_head, group
+        self.seq_len, self.score_scale, self.sm_scale = seq_len, score_scale, sm_scale
+        self.has_segments = has_segments
+
+    def step(self, kv, k_first, i, h, window, path: TilePath, masking, grads):
+        """dK, dV += the contributions of query block ``i`` of query head ``h``."""
+        k_KxD, v_KxD = kv
+        dk_KxD, dv_KxD = grads
+        b, bq, bk = self.b, path.block_q, path.block_k
+        q_first = i * bq
+        rows = pl.ds(q_first, bq)
+        q_QxD = self.q_ref[b, rows, h, :]
+        do_QxD = self.do_ref[b, rows, h, :]
+        lse_Q = self.lse_ref[b, h, rows]
+        delta_Q = self.delta_ref[b, h, rows]
+        sT_KxQ = plgpu.dot(k_KxD, q_QxD, trans_b=True)
+
+        def ok_KxQ():
+            ok = band_mask_KxQ(q_first, k_first, bq, bk, window)
+            if self.has_segments:
+                seg_k = self.segment_ref[b, pl.ds(k_first, bk)]
+                ok = ok & (seg_k[:, None] == self.segment_ref[b, rows][None, :])
+            return ok
+
+        sT_KxQ = mask_scores(sT_KxQ, ok_KxQ, masking)
+        pT_KxQ = jnp.exp2(sT_KxQ * self.score_scale - lse_Q[None, :])
+        dv_KxD = dv_KxD + plgpu.dot(pT_KxQ.astype(do_QxD.dtype), do_QxD)
+        dpT_KxQ = plgpu.dot(v_KxD, do_QxD, trans_b=True)
+        dsT_KxQ = pT_KxQ * (dpT_KxQ - delta_Q[None, :])
+        dk_KxD = dk_KxD + plgpu.dot(dsT_KxQ.astype(q_QxD.dtype), q_QxD)
+        return dk_KxD, dv_KxD
+
+    def one_block(self, path: TilePath, k_block):
+        b, bq, bk = self.b, path.block_q, path.block_k
+        k_first = k_block * bk
+        cols = pl.ds(k_first, bk)
+        kv = (self.k_ref[b, cols, self.kv_head, :], self.v_ref[b, cols, self.kv_head, :])
+
+        def one_query_head(g, grads):
+            h = self.kv_head * self.group + g
+            window = self.window_ref[h]
+
+            def tile(i, grads, masking):
+                return self.step(kv, k_first, i, h, window, path, masking, grads)
+
+            first, lo, hi, end = split_q_loop(k_block, bq, bk, window, self.seq_len)
+            return run_band_loop(first, lo, hi, end, tile, grads,
+                                 "masked" if self.has_segments else path.loop_mode)
+
+        grads = (jnp.zeros(kv[0].shape, jnp.float32), jnp.zeros(kv[1].shape, jnp.float32))
+        if self.group == 1:
+            grads = one_query_head(0, grads)
+        else:
+            grads = jax.lax.fori_loop(0, self.group, one_query_head, grads)
+        dk_KxD, dv_KxD = grads
+        self.dk_ref[b, cols, self.kv_head, :] = (dk_KxD * self.sm_scale).astype(
+            self.dk_ref.dtype)
+        self.dv_ref[b, cols, self.kv_head, :] = dv_KxD.astype(self.dv_ref.dtype)
+
+
+def _dkdv_kernel(schedule_ref, window_ref, kv_class_ref, q_ref, k_ref, v_ref, *refs,
+                 paths: ClassPaths, num_slots: int, group: int, seq_len: int,
+                 score_scale: float, sm_scale: float, has_segments: bool):
+    segment_ref = None
     if has_segments:
         segment_ref, *refs = refs
     do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
 
     b = pl.program_id(0)
     item = schedule_ref[pl.program_id(1)]
-    kv_head = jax.lax.div(item, num_k_blocks)
-    k_block = jax.lax.rem(item, num_k_blocks)
-    k_first = k_block * block_k
-    cols = pl.ds(k_first, block_k)
-
-    k_KxD = k_ref[b, cols, kv_head, :]
-    v_KxD = v_ref[b, cols, kv_head, :]
-    seg_k = segment_ref[b, cols] if has_segments else None
-
-    def one_query_head(g, carry):
-        h = kv_head * group + g
-        window = window_ref[h]
-
-        def tile(i, carry, masking):
-            dk_KxD, dv_KxD = carry
-            q_first = i * block_q
-            rows = pl.ds(q_first, block_q)
-            q_QxD = q_ref[b, rows, h, :]
-            do_QxD = do_ref[b, rows, h, :]
-            lse_Q = lse_ref[b, h, rows]
-            delta_Q = delta_ref[b, h, rows]
-            sT_KxQ = plgpu.dot(k_KxD, q_QxD, trans_b=True)
-
-            def ok_KxQ():
-                ok = band_mask_KxQ(q_first, k_first, block_q, block_k, window)
-                if has_segments:
-                    ok = ok & (seg_k[:, None] == segment_ref[b, rows][None, :])
-                return ok
-
-            sT_KxQ = mask_scores(sT_KxQ, ok_KxQ, masking)
-            pT_KxQ = jnp.exp2(sT_KxQ * score_scale - lse_Q[None, :])
-            dv_KxD = dv_KxD + plgpu.dot(pT_KxQ.astype(do_QxD.dtype), do_QxD)
-            dpT_KxQ = plgpu.dot(v_KxD, do_QxD, trans_b=True)
-            dsT_KxQ = pT_KxQ * (dpT_KxQ - delta_Q[None, :])
-            dk_KxD = dk_KxD + plgpu.dot(dsT_KxQ.astype(q_QxD.dtype), q_QxD)
-            return dk_KxD, dv_KxD
-
-        first, lo, hi, end = split_q_loop(k_block, block_q, block_k, window, seq_len)
-        return run_band_loop(first, lo, hi, end, tile, carry,
-                             "masked" if has_segments else loop_mode)
-
-    carry = (jnp.zeros(k_KxD.shape, jnp.float32), jnp.zeros(v_KxD.shape, jnp.float32))
-    if group == 1:
-        carry = one_query_head(0, carry)
-    else:
-        carry = jax.lax.fori_loop(0, group, one_query_head, carry)
-    dk_KxD, dv_KxD = carry
-    dk_ref[b, cols, kv_head, :] = (dk_KxD * sm_scale).astype(dk_ref.dtype)
-    dv_ref[b, cols, kv_head, :] = dv_KxD.astype(dv_ref.dtype)
+    kv_head = jax.lax.div(item, num_slots)
+    program = _DkdvProgram(
+        (window_ref, q_ref, k_ref, v_ref, segment_ref, do_ref, lse_ref, delta_ref, dk_ref,
+         dv_ref), b=b, kv_head=kv_head, group=group, seq_len=seq_len,
+        score_scale=score_scale, sm_scale=sm_scale, has_segments=has_segments)
+    slot = jax.lax.rem(item, num_slots)
+    run_by_class(kv_class_ref[kv_head], paths, lambda path: program.one_block(path, slot))
 
 
-def flash_backward(dq_schedule, dkdv_schedule, windows, q, k, v, segment_ids, do, lse2, delta,
-                   *, dq_blocks: tuple[int, int], dkdv_blocks: tuple[int, int],
-                   sm_scale: float, num_warps: int, num_stages: int, loop_mode: str,
+def flash_backward(dq_plan, dkdv_plan, windows, q, k, v, segment_ids, do, out, lse2, *,
+                   sm_scale: float, num_warps: int, num_stages: int, delta_in_kernel: bool,
                    interpret: bool):
     """Runs the dQ and dK/dV kernels on padded inputs.
 
     Args:
-      dq_schedule: int32 [n], item = head * num_q_blocks + q_block (dq_blocks' block_q).
-      dkdv_schedule: int32 [m], item = kv_head * num_k_blocks + k_block (dkdv_blocks' block_k).
-      windows: int32 [Hq]. q, do: [B, Tp, Hq, Dp]; k, v: [B, Tp, Hkv, Dp].
-      lse2, delta: float32 [B, Hq, Tp]. dq_blocks, dkdv_blocks: (block_q, block_k).
+      dq_plan: (schedule int32 [n], class int32 [Hq], ClassPaths, num_slots) of the dQ
+        kernel; items are head * num_slots + q_block as in the forward.
+      dkdv_plan: the same for dK/dV, per kv head: (schedule, class int32 [Hkv], ClassPaths,
+        num_slots), items kv_head * num_slots + k_block.
+      windows: int32 [Hq], the window of each query head (the padded length if global).
+      q, do, out: [B, Tp, Hq, Dp]; k, v: [B, Tp, Hkv, Dp]; lse2: float32 [B, Hq, Tp].
+      delta_in_kernel: the dQ kernel computes ``delta = rowsum(out * do)`` from its tiles
+        (else one XLA reduction does, before the kernels).
 
     Returns:
       dq [B, Tp, Hq, Dp], dk and dv [B, Tp, Hkv, Dp], in the input dtypes.
     """
-
     B, Tp, Hq, Dp = q.shape
     Hkv = k.shape[2]
     has_segments = segment_ids is not None
     seg = [] if segment_ids is None else [segment_ids]
     params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     common = dict(group=Hq // Hkv, seq_len=Tp, score_scale=sm_scale * LOG2_E,
-                  sm_scale=sm_scale, has_segments=has_segments, loop_mode=loop_mode)
+                  sm_scale=sm_scale, has_segments=has_segments)
 
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, block_q=dq_blocks[0], block_k=dq_blocks[1],
-                          num_q_blocks=Tp // dq_blocks[0], **common),
-        grid=(B, dq_schedule.shape[0]),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=params,
-        interpret=interpret,
-        name="ls_attention_bwd_dq",
-    )(dq_schedule, windows, q, k, v, *seg, do, lse2, delta)
+    schedule, classes, paths, num_slots = dq_plan
+    dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    dq_call = functools.partial(
+        pl.pallas_call,
+        functools.partial(_dq_kernel, paths=paths, num_slots=num_slots,
+                          delta_in_kernel=delta_in_kernel, **common),
+        grid=(B, schedule.shape[0]), compiler_params=params, interpret=interpret,
+        name="ls_attention_bwd_dq")
+    dq_inputs = (schedule, jnp.stack([windows, classes]), q, k, v, *seg, do)
+    if delta_in_kernel:
+        dq, delta = dq_call(out_shape=[dq_shape, jax.ShapeDtypeStruct((B, Hq, Tp),
+                                                                      jnp.float32)])(
+            *dq_inputs, out, lse2)
+    else:
+        delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
+        dq = dq_call(out_shape=dq_shape)(*dq_inputs, lse2, delta)
 
+    schedule, classes, paths, num_slots = dkdv_plan
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, block_q=dkdv_blocks[0], block_k=dkdv_blocks[1],
-                          num_k_blocks=Tp // dkdv_blocks[1], **common),
-        grid=(B, dkdv_schedule.shape[0]),
+        functools.partial(_dkdv_kernel, paths=paths, num_slots=num_slots, **common),
+        grid=(B, schedule.shape[0]),
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                    jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=params,
         interpret=interpret,
         name="ls_attention_bwd_dkdv",
-    )(dkdv_schedule, windows, q, k, v, *seg, do, lse2, delta)
+    )(schedule, windows, classes, q, k, v, *seg, do, lse2, delta)
     return dq, dk, dv

@@ -1,11 +1,12 @@
 """Forward Pallas GPU kernel: flash attention over each head's band, all heads in one launch.
 
-One program computes one (batch, query head, query block). Its key/value loop visits only the
-key blocks that intersect the head's band (``kernels.pallas_gpu_tiles.split_kv_loop``):
-boundary tiles get an element mask, interior tiles none, and blocks outside the band are never
-loaded. The window of each head is read from a small int32 array, so one compiled kernel
-serves any mix of local and global heads. The order of programs comes from a schedule table
-(longest first).
+A program's key/value loop visits only the key blocks that intersect its head's band
+(``kernels.pallas_gpu_tiles.split_kv_loop``): boundary tiles get an element mask, interior
+tiles none, and blocks outside the band are never loaded. Per-head data comes from a small
+int32 table ``head [2, Hq]``: row 0 the window, row 1 the head's class (wide or narrow). Each class
+present is a static ``TilePath`` compiled into the same kernel behind a run-time branch, so
+wide heads can use other tiles than narrow ones, all in one launch. The order of programs
+comes from a schedule table (longest first).
 
 Inputs are padded by the caller to a whole number of blocks (sequence) and to a head size the
 matrix units take; the kernel itself never masks loads.
@@ -20,14 +21,91 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.pallas_gpu_tiles import (LOG2_E, MASKED_SCORE, MAX_FLOOR, band_mask_QxK,
-                                      mask_scores, run_band_loop, split_kv_loop)
+from kernels.pallas_gpu_tiles import (LOG2_E, MASKED_SCORE, MAX_FLOOR, ClassPaths, TilePath,
+                                      band_mask_QxK, mask_scores, run_band_loop, run_by_class,
+                                      split_kv_loop)
 
 
-def _forward_kernel(schedule_ref, window_ref, q_ref, k_ref, v_ref, *refs, block_q: int,
-                    block_k: int, num_q_blocks: int, group: int, seq_len: int,
-                    score_scale: float, sm_scale: float, has_segments: bool,
-                    with_stats: bool, loop_mode: str):
+class _ForwardProgram:
+    """One program's refs and static parameters."""
+
+    def __init__(self, refs, *, b, h, kv_head, window, seq_len, score_scale, sm_scale,
+                 has_segments, with_stats):
+        (self.q_ref, self.k_ref, self.v_ref, self.segment_ref, self.out_ref, self.lse_ref,
+         self.stat_ref) = refs
+        self.b, self.h, self.kv_head, self.window = b, h, kv_head, window
+        self.seq_len, self.score_scale, self.sm_scale = seq_len, score_scale, sm_scale
+        self.has_segments, self.with_stats = has_segments, with_stats
+
+    def init_state(self, block_q, head_dim):
+        state = (jnp.zeros((block_q, head_dim), jnp.float32),
+                 jnp.full((block_q,), MASKED_SCORE, jnp.float32),
+                 jnp.zeros((block_q,), jnp.float32))
+        if self.with_stats:
+            state += (jnp.full((block_q,), -MASKED_SCORE, jnp.float32),)
+        return state
+
+    def step(self, q_QxD, q_first, j, path: TilePath, masking, state):
+        """One online-softmax update of ``state`` with key block ``j``."""
+        acc_QxD, m_Q, l_Q, *min_Q = state
+        b, bq, bk, c = self.b, path.block_q, path.block_k, self.score_scale
+        k_first = j * bk
+        cols = pl.ds(k_first, bk)
+        k_KxD = self.k_ref[b, cols, self.kv_head, :]
+        s_QxK = plgpu.dot(q_QxD, k_KxD, trans_b=True)  # raw q.k; scaled inside exp2
+
+        def ok_QxK():
+            ok = band_mask_QxK(q_first, k_first, bq, bk, self.window)
+            if self.has_segments:
+                seg_q = self.segment_ref[b, pl.ds(q_first, bq)]
+                ok = ok & (seg_q[:, None] == self.segment_ref[b, cols][None, :])
+            return ok
+
+        s_QxK = mask_scores(s_QxK, ok_QxK, masking)
+        m_new_Q = jnp.maximum(m_Q, jnp.max(s_QxK, axis=1))
+        # scaled running max, floored so that a row that has seen only masked keys gets
+        # p = exp2(MASKED_SCORE * c - floor) = 0 exactly, whatever the FMA rounding
+        ms_Q = jnp.maximum(m_Q * c, MAX_FLOOR)
+        ms_new_Q = jnp.maximum(m_new_Q * c, MAX_FLOOR)
+        alpha_Q = jnp.exp2(ms_Q - ms_new_Q)
+        p_QxK = jnp.exp2(s_QxK * c - ms_new_Q[:, None])  # one FMA per element
+        l_new_Q = l_Q * alpha_Q + jnp.sum(p_QxK, axis=1)
+        v_KxD = self.v_ref[b, cols, self.kv_head, :]
+        acc_QxD = acc_QxD * alpha_Q[:, None] + plgpu.dot(p_QxK.astype(v_KxD.dtype), v_KxD)
+        if self.with_stats:  # masked scores are exactly MASKED_SCORE: keep them out of the min
+            s_min = s_QxK if isinstance(masking, str) and masking == "none" else jnp.where(
+                s_QxK == MASKED_SCORE, -MASKED_SCORE, s_QxK)
+            min_Q = [jnp.minimum(min_Q[0], jnp.min(s_min, axis=1))]
+        return (acc_QxD, m_new_Q, l_new_Q, *min_Q)
+
+    def write(self, q_first, block_q, state):
+        acc_QxD, m_Q, l_Q, *min_Q = state
+        b, h, rows = self.b, self.h, pl.ds(q_first, block_q)
+        self.out_ref[b, rows, h, :] = (acc_QxD * (1.0 / l_Q)[:, None]).astype(
+            self.out_ref.dtype)
+        self.lse_ref[b, h, rows] = jnp.maximum(m_Q * self.score_scale, MAX_FLOOR) + jnp.log2(l_Q)
+        if self.with_stats:
+            self.stat_ref[b, h, rows] = jnp.maximum(m_Q, -min_Q[0]) * self.sm_scale
+
+    def one_block(self, path: TilePath, q_block):
+        """Query block ``q_block``: one loop over exactly the key blocks of its band."""
+        bq, bk = path.block_q, path.block_k
+        q_first = q_block * bq
+        q_QxD = self.q_ref[self.b, pl.ds(q_first, bq), self.h, :]
+
+        def tile(j, state, masking):
+            return self.step(q_QxD, q_first, j, path, masking, state)
+
+        first, lo, hi, end = split_kv_loop(q_block, bq, bk, self.window, self.seq_len)
+        state = run_band_loop(first, lo, hi, end, tile, self.init_state(bq, q_QxD.shape[-1]),
+                              "masked" if self.has_segments else path.loop_mode)
+        self.write(q_first, bq, state)
+
+
+def _forward_kernel(schedule_ref, head_ref, q_ref, k_ref, v_ref, *refs, paths: ClassPaths,
+                    num_slots: int, group: int, seq_len: int, score_scale: float,
+                    sm_scale: float, has_segments: bool, with_stats: bool):
+    segment_ref = None
     if has_segments:
         segment_ref, *refs = refs
     out_ref, lse_ref, *refs = refs
@@ -35,74 +113,30 @@ def _forward_kernel(schedule_ref, window_ref, q_ref, k_ref, v_ref, *refs, block_
 
     b = pl.program_id(0)
     item = schedule_ref[pl.program_id(1)]
-    h = jax.lax.div(item, num_q_blocks)
-    q_block = jax.lax.rem(item, num_q_blocks)
-    kv_head = jax.lax.div(h, group)
-    window = window_ref[h]
-    q_first = q_block * block_q
-    rows = pl.ds(q_first, block_q)
-
-    q_QxD = q_ref[b, rows, h, :]
-    seg_q = segment_ref[b, rows] if has_segments else None
-    head_dim = q_QxD.shape[-1]
-
-    def tile(j, carry, masking):
-        acc_QxD, m_Q, l_Q, *min_Q = carry
-        k_first = j * block_k
-        cols = pl.ds(k_first, block_k)
-        k_KxD = k_ref[b, cols, kv_head, :]
-        s_QxK = plgpu.dot(q_QxD, k_KxD, trans_b=True)  # raw q.k; scaled inside exp2
-
-        def ok_QxK():
-            ok = band_mask_QxK(q_first, k_first, block_q, block_k, window)
-            if has_segments:
-                ok = ok & (seg_q[:, None] == segment_ref[b, cols][None, :])
-            return ok
-
-        s_QxK = mask_scores(s_QxK, ok_QxK, masking)
-        m_new_Q = jnp.maximum(m_Q, jnp.max(s_QxK, axis=1))
-        # scaled running max, floored so that a row that has seen only masked keys gets
-        # p = exp2(MASKED_SCORE * c - floor) = 0 exactly, whatever the FMA rounding
-        ms_Q = jnp.maximum(m_Q * score_scale, MAX_FLOOR)
-        ms_new_Q = jnp.maximum(m_new_Q * score_scale, MAX_FLOOR)
-        alpha_Q = jnp.exp2(ms_Q - ms_new_Q)
-        p_QxK = jnp.exp2(s_QxK * score_scale - ms_new_Q[:, None])  # one FMA per element
-        l_new_Q = l_Q * alpha_Q + jnp.sum(p_QxK, axis=1)
-        v_KxD = v_ref[b, cols, kv_head, :]
-        acc_QxD = acc_QxD * alpha_Q[:, None] + plgpu.dot(p_QxK.astype(v_KxD.dtype), v_KxD)
-        if with_stats:  # masked scores are exactly MASKED_SCORE: keep them out of the min
-            s_min = s_QxK if masking == "none" else jnp.where(
-                s_QxK == MASKED_SCORE, -MASKED_SCORE, s_QxK)
-            min_Q = [jnp.minimum(min_Q[0], jnp.min(s_min, axis=1))]
-        return (acc_QxD, m_new_Q, l_new_Q, *min_Q)
-
-    carry = (jnp.zeros((block_q, head_dim), jnp.float32),
-             jnp.full((block_q,), MASKED_SCORE, jnp.float32),
-             jnp.zeros((block_q,), jnp.float32))
-    if with_stats:
-        carry += (jnp.full((block_q,), -MASKED_SCORE, jnp.float32),)
-
-    first, lo, hi, end = split_kv_loop(q_block, block_q, block_k, window, seq_len)
-    carry = run_band_loop(first, lo, hi, end, tile, carry,
-                          "masked" if has_segments else loop_mode)
-    acc_QxD, m_Q, l_Q, *min_Q = carry
-
-    out_ref[b, rows, h, :] = (acc_QxD * (1.0 / l_Q)[:, None]).astype(out_ref.dtype)
-    lse_ref[b, h, rows] = jnp.maximum(m_Q * score_scale, MAX_FLOOR) + jnp.log2(l_Q)
-    if with_stats:
-        stat_ref[b, h, rows] = jnp.maximum(m_Q, -min_Q[0]) * sm_scale
+    h = jax.lax.div(item, num_slots)
+    slot = jax.lax.rem(item, num_slots)
+    head_class = head_ref[1, h]
+    program = _ForwardProgram(
+        (q_ref, k_ref, v_ref, segment_ref, out_ref, lse_ref, stat_ref), b=b, h=h,
+        kv_head=jax.lax.div(h, group), window=head_ref[0, h], seq_len=seq_len,
+        score_scale=score_scale, sm_scale=sm_scale, has_segments=has_segments,
+        with_stats=with_stats)
+    run_by_class(head_class, paths, lambda path: program.one_block(path, slot))
 
 
-def flash_forward(schedule, windows, q, k, v, segment_ids, *, block_q: int, block_k: int,
-                  sm_scale: float, with_stats: bool, num_warps: int, num_stages: int,
-                  loop_mode: str, interpret: bool):
+def flash_forward(schedule, head_table, q, k, v, segment_ids, *, paths: ClassPaths,
+                  num_slots: int, sm_scale: float, with_stats: bool, num_warps: int,
+                  num_stages: int, interpret: bool):
     """Runs the forward kernel on padded inputs.
 
     Args:
-      schedule: int32 [n_items], program order; item = head * num_q_blocks + q_block.
-      windows: int32 [Hq], the window of each head (the padded length for global heads).
-      q: [B, Tp, Hq, Dp]; k, v: [B, Tp, Hkv, Dp]; Tp a multiple of block_q and block_k.
+      schedule: int32 [n_items], program order; item = head * num_slots + q_block (in the
+        block size of the head's class).
+      head_table: int32 [2, Hq]: the window of each head (the padded length for global
+        heads), and its class (``kernels.pallas_gpu_tiles.ClassPaths``).
+      q: [B, Tp, Hq, Dp]; k, v: [B, Tp, Hkv, Dp]; Tp a multiple of every block.
       segment_ids: None or int32 [B, Tp].
+      paths: the tile path of each head class present.
 
     Returns:
       out [B, Tp, Hq, Dp] in q.dtype, lse2 float32 [B, Hq, Tp] (log2 domain: natural lse
@@ -111,14 +145,14 @@ def flash_forward(schedule, windows, q, k, v, segment_ids, *, block_q: int, bloc
     B, Tp, Hq, Dp = q.shape
     Hkv = k.shape[2]
     kernel = functools.partial(
-        _forward_kernel, block_q=block_q, block_k=block_k, num_q_blocks=Tp // block_q,
-        group=Hq // Hkv, seq_len=Tp, score_scale=sm_scale * LOG2_E, sm_scale=sm_scale,
-        has_segments=segment_ids is not None, with_stats=with_stats, loop_mode=loop_mode)
+        _forward_kernel, paths=paths, num_slots=num_slots, group=Hq // Hkv,
+        seq_len=Tp, score_scale=sm_scale * LOG2_E, sm_scale=sm_scale,
+        has_segments=segment_ids is not None, with_stats=with_stats)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((B, Hq, Tp), jnp.float32)]
     if with_stats:
         out_shape.append(jax.ShapeDtypeStruct((B, Hq, Tp), jnp.float32))
-    inputs = [schedule, windows, q, k, v] + ([] if segment_ids is None else [segment_ids])
+    inputs = [schedule, head_table, q, k, v] + ([] if segment_ids is None else [segment_ids])
     outs = pl.pallas_call(
         kernel,
         grid=(B, schedule.shape[0]),

@@ -13,6 +13,7 @@ scores.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -73,6 +74,16 @@ def band_mask_KxQ(q_first, k_first, block_q: int, block_k: int, window):
 LOOP_MODES = ("split", "cond", "masked")
 
 
+@dataclasses.dataclass(frozen=True)
+class TilePath:
+    """Static description of how one class of programs walks its tiles: the tile
+    block_q x block_k, and how boundary tiles get their mask (one of ``LOOP_MODES``)."""
+
+    block_q: int
+    block_k: int
+    loop_mode: str
+
+
 def mask_scores(s, ok_fn, masking):
     """Applies the element mask ``ok_fn()`` to scores ``s`` as ``masking`` says.
 
@@ -105,3 +116,26 @@ def run_band_loop(first, lo, hi, end, tile, carry, mode: str):
     carry = jax.lax.fori_loop(first, lo, lambda j, c: tile(j, c, "always"), carry)
     carry = jax.lax.fori_loop(lo, hi, lambda j, c: tile(j, c, "none"), carry)
     return jax.lax.fori_loop(hi, end, lambda j, c: tile(j, c, "always"), carry)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassPaths:
+    """The tile paths one kernel compiles, one per class of head present (None: absent).
+
+    A head's class is an int from a small table: 0 wide (``wide``), 1 narrow (``narrow``).
+    """
+
+    wide: TilePath | None = None
+    narrow: TilePath | None = None
+
+
+def run_by_class(head_class, paths: ClassPaths, one_block):
+    """Calls ``one_block(path)`` with the path of class ``head_class`` (a traced int32),
+    branching at run time only when both classes are present."""
+    if paths.narrow is None:
+        one_block(paths.wide)
+    elif paths.wide is None:
+        one_block(paths.narrow)
+    else:
+        jax.lax.cond(head_class == 0, lambda: one_block(paths.wide),
+                     lambda: one_block(paths.narrow))

@@ -16,8 +16,9 @@ import pytest
 from kernels import ls_attention
 from kernels.band import (kv_block_range, kv_full_block_range, q_block_range,
                           q_full_block_range)
-from kernels.pallas_gpu import (KernelConfig, key_block_schedule, pallas_gpu_attention,
-                                pallas_gpu_attention_parts, query_block_schedule)
+from kernels.pallas_gpu import (KernelConfig, key_block_schedule, key_plan,
+                                pallas_gpu_attention, pallas_gpu_attention_parts,
+                                query_block_schedule, query_plan)
 from kernels.pallas_gpu_tiles import split_kv_loop, split_q_loop
 from kernels.reference import reference_attention_parts
 
@@ -40,6 +41,15 @@ def random_inputs(rng, B, T, Hq, Hkv, D, dtype=jnp.float32):
 SMALL = KernelConfig(fwd_block_q=32, fwd_block_k=16, dq_block_q=16, dq_block_k=32,
                      dkdv_block_q=16, dkdv_block_k=32, fwd_loop="cond", bwd_loop="cond")
 SQUARE16 = KernelConfig(16, 16, 16, 16, 16, 16, fwd_loop="split", bwd_loop="split")
+# two tile paths in one launch: wide (global) heads on longer tiles than the narrow ones
+TWO_PATHS = KernelConfig(fwd_block_q=16, fwd_block_k=16, dq_block_q=16, dq_block_k=16,
+                         dkdv_block_q=16, dkdv_block_k=16, wide_fwd_block_q=32,
+                         wide_dq_block_q=32, wide_dkdv_block_k=32)
+# heads with window >= 20 are wide; delta computed by XLA instead of the dQ kernel
+WIDE_WINDOW = KernelConfig(fwd_block_q=32, fwd_block_k=16, dq_block_q=16, dq_block_k=32,
+                           dkdv_block_q=32, dkdv_block_k=16, wide_fwd_block_q=16,
+                           wide_fwd_block_k=32, wide_dq_block_k=16, wide_dkdv_block_q=16,
+                           wide_window=20, wide_fwd_loop="split", delta_in_kernel=False)
 
 # (B, T, Hq, Hkv, D, windows, config); T is never a multiple of the largest block.
 CASES = [
@@ -48,13 +58,15 @@ CASES = [
     (2, 45, 2, 1, 32, (None, None), SQUARE16),           # all global, MQA
     (1, 130, 4, 2, 64, (16, 33, 2, 64), SQUARE16),        # all local, windows at block edges
     (1, 40, 3, 3, 24, (7, None, 1), SMALL),              # head size that is not a power of 2
+    (1, 150, 4, 2, 16, (None, 5, 1, 40), TWO_PATHS),      # GQA group of a global + a local head
+    (2, 70, 3, 3, 32, (7, None, 30), WIDE_WINDOW),
 ]
 
 
 def case_id(case):
     B, T, Hq, Hkv, D, windows, config = case
     return (f"B{B}-T{T}-H{Hq}/{Hkv}-D{D}-w{'_'.join(str(w) for w in windows)}"
-            f"-blk{config.fwd_block_q}-{config.fwd_loop}")
+            f"-blk{config.fwd_block_q}-{config.fwd_loop}-w{config.wide_fwd_block_q}")
 
 
 class TestInterpretFloat32:
@@ -73,7 +85,7 @@ class TestInterpretFloat32:
         assert rel_err(lse, want_lse) < 1e-5
         np.testing.assert_allclose(max_abs, want_max, rtol=1e-5)
 
-    @pytest.mark.parametrize("case", CASES[:4], ids=case_id)
+    @pytest.mark.parametrize("case", CASES[:4] + CASES[5:], ids=case_id)
     def test_gradients_match_reference(self, case):
         B, T, Hq, Hkv, D, windows, config = case
         rng = np.random.default_rng(zlib.crc32(case_id(case).encode()) + 1)
@@ -92,14 +104,15 @@ class TestInterpretFloat32:
             assert g.shape == w.shape
             assert rel_err(g, w) < 1e-5, name
 
-    def test_segment_ids_forward_and_gradients(self):
+    @pytest.mark.parametrize("config", [SMALL, TWO_PATHS], ids=["small", "two-paths"])
+    def test_segment_ids_forward_and_gradients(self, config):
         B, T, Hq, Hkv, D = 2, 70, 4, 2, 32
-        windows = (None, 6, 1, 30)
-        rng = np.random.default_rng(7)
+        windows = (None, 6, 1, 3)
+        rng = np.random.default_rng(7 + config.wide_fwd_block_q)
         q, k, v, do = random_inputs(rng, B, T, Hq, Hkv, D)
         seg = jnp.asarray(np.sort(rng.integers(0, 4, (B, T)), axis=1), jnp.int32)
         out, lse, max_abs = pallas_gpu_attention_parts(q, k, v, windows, segment_ids=seg,
-                                                       config=SMALL, interpret=True)
+                                                       config=config, interpret=True)
         want_out, want_lse, want_max = reference_attention_parts(q, k, v, windows, seg)
         assert rel_err(out, want_out) < 1e-5
         assert rel_err(lse, want_lse) < 1e-5
@@ -107,7 +120,7 @@ class TestInterpretFloat32:
 
         def ours(q, k, v):
             return jnp.sum(pallas_gpu_attention(q, k, v, windows, segment_ids=seg,
-                                                config=SMALL, interpret=True)[0] * do)
+                                                config=config, interpret=True)[0] * do)
 
         def ref(q, k, v):
             return jnp.sum(reference_attention_parts(q, k, v, windows, seg)[0] * do)
@@ -138,6 +151,41 @@ class TestInterpretFloat32:
         with pytest.raises(ValueError, match="config.fwd_block_k: expected a power of two"):
             pallas_gpu_attention(q, q, q, (None,), config=KernelConfig(fwd_block_k=24),
                                  interpret=True)
+
+
+class TestPlans:
+    """Which program computes which block: every block of every head exactly once."""
+
+    @staticmethod
+    def counts(plan, kernel, num_heads, seq_len):
+        schedule, classes, paths, num_slots = plan
+        covered = np.zeros((num_heads, seq_len), int)
+        for item in schedule.tolist():
+            head, block = divmod(item, num_slots)
+            path = paths.wide if classes[head] == 0 else paths.narrow
+            size = path.block_k if kernel == "dkdv" else path.block_q
+            covered[head, block * size:(block + 1) * size] += 1
+        return covered
+
+    # windows (256, 3, 64, 256, 1, 17) on T = 256: expected classes (0 wide, 1 narrow)
+    @pytest.mark.parametrize("config,want_classes", [
+        (TWO_PATHS, [0, 1, 1, 0, 1, 1]),
+        (WIDE_WINDOW, [0, 1, 0, 0, 1, 1]),  # wide_window=20
+        (SMALL, [0] * 6),  # no wide tiles: one path for every head
+    ], ids=["two-paths", "wide-window", "small"])
+    def test_every_block_once(self, config, want_classes):
+        windows, Tp = (256, 3, 64, 256, 1, 17), 256
+        threshold = config.wide_window or Tp
+        for kernel in ("fwd", "dq"):
+            narrow, wide = config.paths(kernel)
+            plan = query_plan(windows, Tp, narrow, wide, threshold)
+            assert np.all(self.counts(plan, kernel, len(windows), Tp) == 1), kernel
+            assert plan[1].tolist() == want_classes
+        narrow, wide = config.paths("dkdv")
+        plan = key_plan(windows, 3, Tp, narrow, wide, threshold)
+        assert np.all(self.counts(plan, "dkdv", 3, Tp) == 1)
+        # kv head g serves query heads 2g, 2g+1: wide only if both are
+        assert plan[1].tolist() == [max(want_classes[2 * g:2 * g + 2]) for g in range(3)]
 
 
 class TestBlockGeometry:

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.pallas_gpu_tiles import (LOG2_E, ClassPaths, TilePath, band_mask_KxQ,
-                                      band_mask_QxK, mask_scores, run_band_loop, run_by_class,
+from kernels.pallas_gpu_tiles import (LOG2_E, ClassPaths, TilePath, allowed_KxQ,
+                                      allowed_QxK, mask_scores, run_band_loop, run_by_class,
                                       split_kv_loop, split_q_loop)
 
 
@@ -49,14 +49,10 @@ class _DqProgram:
         v_KxD = self.v_ref[b, cols, self.kv_head, :]
         s_QxK = plgpu.dot(q_QxD, k_KxD, trans_b=True)
 
-        def ok_QxK():
-            ok = band_mask_QxK(q_first, k_first, bq, bk, self.window)
-            if self.has_segments:
-                seg_q = self.segment_ref[b, pl.ds(q_first, bq)]
-                ok = ok & (seg_q[:, None] == self.segment_ref[b, cols][None, :])
-            return ok
-
-        s_QxK = mask_scores(s_QxK, ok_QxK, masking)
+        segments = self.segment_ref if self.has_segments else None
+        s_QxK = mask_scores(
+            s_QxK, lambda: allowed_QxK(q_first, k_first, bq, bk, self.window, segments, b),
+            masking)
         p_QxK = jnp.exp2(s_QxK * self.score_scale - lse_Q[:, None])
         dp_QxK = plgpu.dot(do_QxD, v_KxD, trans_b=True)
         ds_QxK = p_QxK * (dp_QxK - delta_Q[:, None])
@@ -129,14 +125,9 @@ class _DkdvProgram:
         delta_Q = self.delta_ref[b, h, rows]
         sT_KxQ = plgpu.dot(k_KxD, q_QxD, trans_b=True)
 
-        def ok_KxQ():
-            ok = band_mask_KxQ(q_first, k_first, bq, bk, window)
-            if self.has_segments:
-                seg_k = self.segment_ref[b, pl.ds(k_first, bk)]
-                ok = ok & (seg_k[:, None] == self.segment_ref[b, rows][None, :])
-            return ok
-
-        sT_KxQ = mask_scores(sT_KxQ, ok_KxQ, masking)
+        segments = self.segment_ref if self.has_segments else None
+        sT_KxQ = mask_scores(
+            sT_KxQ, lambda: allowed_KxQ(q_first, k_first, bq, bk, window, segments, b), masking)
         pT_KxQ = jnp.exp2(sT_KxQ * self.score_scale - lse_Q[None, :])
         dv_KxD = dv_KxD + plgpu.dot(pT_KxQ.astype(do_QxD.dtype), do_QxD)
         dpT_KxQ = plgpu.dot(v_KxD, do_QxD, trans_b=True)

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels.pallas_gpu_tiles import (LOG2_E, MASKED_SCORE, MAX_FLOOR, ClassPaths, TilePath,
-                                      band_mask_QxK, mask_scores, run_band_loop, run_by_class,
+                                      allowed_QxK, mask_scores, run_band_loop, run_by_class,
                                       split_kv_loop)
 
 
@@ -54,14 +54,10 @@ class _ForwardProgram:
         k_KxD = self.k_ref[b, cols, self.kv_head, :]
         s_QxK = plgpu.dot(q_QxD, k_KxD, trans_b=True)  # raw q.k; scaled inside exp2
 
-        def ok_QxK():
-            ok = band_mask_QxK(q_first, k_first, bq, bk, self.window)
-            if self.has_segments:
-                seg_q = self.segment_ref[b, pl.ds(q_first, bq)]
-                ok = ok & (seg_q[:, None] == self.segment_ref[b, cols][None, :])
-            return ok
-
-        s_QxK = mask_scores(s_QxK, ok_QxK, masking)
+        segments = self.segment_ref if self.has_segments else None
+        s_QxK = mask_scores(
+            s_QxK, lambda: allowed_QxK(q_first, k_first, bq, bk, self.window, segments, b),
+            masking)
         m_new_Q = jnp.maximum(m_Q, jnp.max(s_QxK, axis=1))
         # scaled running max, floored so that a row that has seen only masked keys gets
         # p = exp2(MASKED_SCORE * c - floor) = 0 exactly, whatever the FMA rounding

@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from kernels.band import kv_block_range, kv_full_block_range, q_block_range, q_full_block_range
 
@@ -69,6 +70,28 @@ def band_mask_KxQ(q_first, k_first, block_q: int, block_k: int, window):
     i_1xQ = q_first + jax.lax.broadcasted_iota(jnp.int32, (block_k, block_q), 1)
     d = i_1xQ - j_Kx1
     return (d >= 0) & (d < window)
+
+
+def allowed_QxK(q_first, k_first, block_q: int, block_k: int, window, segment_ref=None,
+                batch=None):
+    """bool [block_q, block_k]: the band mask and, with a segment-id ref [B, T], same segment."""
+    ok = band_mask_QxK(q_first, k_first, block_q, block_k, window)
+    if segment_ref is not None:
+        seg_q = segment_ref[batch, pl.ds(q_first, block_q)]
+        seg_k = segment_ref[batch, pl.ds(k_first, block_k)]
+        ok = ok & (seg_q[:, None] == seg_k[None, :])
+    return ok
+
+
+def allowed_KxQ(q_first, k_first, block_q: int, block_k: int, window, segment_ref=None,
+                batch=None):
+    """bool [block_k, block_q]: the transpose of ``allowed_QxK`` (for the dK/dV tiles)."""
+    ok = band_mask_KxQ(q_first, k_first, block_q, block_k, window)
+    if segment_ref is not None:
+        seg_k = segment_ref[batch, pl.ds(k_first, block_k)]
+        seg_q = segment_ref[batch, pl.ds(q_first, block_q)]
+        ok = ok & (seg_k[:, None] == seg_q[None, :])
+    return ok
 
 
 LOOP_MODES = ("split", "cond", "masked")

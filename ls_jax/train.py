@@ -150,18 +150,17 @@ def make_train_step(graphdef, cfg: Config) -> Callable:
 # -- the loop ---------------------------------------------------------------------------------
 
 class _StopFlag:
-    """Set by SIGTERM/SIGINT; the loop checkpoints and returns at the next step boundary."""
+    """Set by SIGTERM; the loop checkpoints and returns at the next step boundary."""
 
     def __init__(self):
         self.signum = None
         self._old = {}
 
     def __enter__(self):
-        for sig in (signal.SIGTERM,):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: no signal handling
-                pass
+        try:
+            self._old[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: no signal handling
+            pass
         return self
 
     def _handle(self, signum, frame):
@@ -212,7 +211,8 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
         raise ValueError(f"model.vocab_size: expected >= the tokenizer's vocabulary "
                          f"({tokenizer.vocab_size} for {dcfg.tokenizer!r}), got {cfg.model.vocab_size}")
     is_main = jax.process_index() == 0
-    write_or_check_config(cfg, workdir) if is_main else None
+    if is_main:
+        write_or_check_config(cfg, workdir)
 
     mesh = mesh_lib.make_mesh()
     replicated, data_sharding = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)

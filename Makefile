@@ -9,6 +9,8 @@ CONFIG ?= tiny
 WORKDIR ?= runs/$(CONFIG)
 ARGS ?=
 TEST_WORKERS ?= 2
+# On accelerators: JAX_EXTRA=cuda13 (NVIDIA GPUs) or JAX_EXTRA=tpu (TPU VMs) adds jax[...]
+JAX_EXTRA ?=
 
 .PHONY: venv train eval test test-fast bench clean help
 
@@ -18,11 +20,12 @@ help:
 	@echo "make test    - set up .venv and run the test suite (CPU)"
 	@echo "make bench   - attention benchmark (needs an NVIDIA GPU)"
 
-$(VENV)/.installed: requirements.txt pyproject.toml
+$(VENV)/.installed: requirements.txt pyproject.toml Makefile
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=/path/to/python3.12" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
+	if [ -n "$(JAX_EXTRA)" ]; then $(PY) -m pip install -q "jax[$(JAX_EXTRA)]==0.11.2"; fi
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 

@@ -60,11 +60,7 @@ def create_model_and_optimizer(cfg: Config, *, seed: int | None = None):
 
 def abstract_train_state(cfg: Config):
     """(graphdef, abstract state) of (model, optimizer) without allocating parameters."""
-    def init():
-        return nnx.state(create_model_and_optimizer(cfg))
-    abstract = jax.eval_shape(init)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: create_model_and_optimizer(cfg)))
-    return graphdef, abstract
+    return nnx.split(nnx.eval_shape(lambda: create_model_and_optimizer(cfg)))
 
 
 def write_or_check_config(cfg: Config, workdir: str) -> None:
@@ -290,10 +286,11 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
                                 or (stop_after_steps is not None and ran >= stop_after_steps)
                                 or (stop_at_time is not None and time.time() >= stop_at_time))
                     at_eval = tcfg.eval_every and step % tcfg.eval_every == 0
-                    if step % tcfg.save_every == 0 or step == tcfg.num_steps or stop_now or at_eval:
+                    save_now = step % tcfg.save_every == 0 or step == tcfg.num_steps or stop_now
+                    if save_now or at_eval:
                         finish_step(*pending)  # check this step's loss before saving it
                         pending = None
-                    if step % tcfg.save_every == 0 or step == tcfg.num_steps or stop_now:
+                    if save_now:
                         ckpt.save(step, state, data_iter)
                         last_saved = step
                     if at_eval and step != tcfg.num_steps:

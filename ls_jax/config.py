@@ -98,7 +98,8 @@ class ModelConfig:
     @property
     def window_sizes(self) -> tuple[int | None, ...]:
         """Per-head windows of every layer: None for the global heads, ``window`` for the rest."""
-        return (None,) * self.n_global_heads + (self.window,) * (self.n_head - self.n_global_heads)
+        from ls_jax.attention import layer_window_sizes
+        return layer_window_sizes(self.n_head, self.n_global_heads, self.window)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,17 +33,16 @@ import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from kernels import ls_attention  # noqa: E402
-from kernels.band import band_flops  # noqa: E402
-from kernels.pallas_gpu import KernelConfig, default_config, pallas_gpu_attention  # noqa: E402
+from ls_jax.kernels import ls_attention
+from ls_jax.kernels.band import band_flops
+from ls_jax.kernels.pallas_gpu import KernelConfig, default_config, pallas_gpu_attention
 
 L2_BYTES = 50 * 2**20
 MIXES = ("1g15l", "global", "local")

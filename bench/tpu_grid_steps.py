@@ -21,14 +21,11 @@ Usage: python bench/tpu_grid_steps.py [--seq-len 8192] [--window 128] [--local 1
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.pallas_tpu_plan import column_worklist, row_worklist  # noqa: E402
+from ls_jax.kernels.pallas_tpu_plan import column_worklist, row_worklist
 
 
 def ours_counts(windows, num_kv_heads: int, seq_len: int, block_q: int, block_k: int,

@@ -17,7 +17,6 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
@@ -31,7 +30,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from configs import get_config
+    from ls_jax.configs import get_config
     from ls_jax.train import train
 
     impls = args.impls.split(",")

@@ -6,7 +6,7 @@ from typing import Callable
 
 from ls_jax.config import Config
 
-from configs import paper, tiny
+from ls_jax.configs import paper, tiny
 
 CONFIGS: dict[str, Callable[[], Config]] = {
     "tiny": tiny.tiny,

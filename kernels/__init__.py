@@ -4,7 +4,7 @@ Backends: "reference" (pure JAX, the oracle), "cudnn" (GPU baseline), "pallas_gp
 "pallas_tpu" (our block-sparse Pallas kernels). See ``kernels/api.py``.
 """
 
-from kernels.api import (
+from ls_jax.kernels.api import (
     DEFAULT_IMPLEMENTATION,
     IMPLEMENTATIONS,
     LogitStats,

@@ -26,10 +26,10 @@ import numpy as np
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 _BACKENDS = {
-    "reference": "kernels.reference:reference_backend",
-    "cudnn": "kernels.cudnn:cudnn_backend",
-    "pallas_gpu": "kernels.pallas_gpu:pallas_gpu_backend",
-    "pallas_tpu": "kernels.pallas_tpu:pallas_tpu_backend",
+    "reference": "ls_jax.kernels.reference:reference_backend",
+    "cudnn": "ls_jax.kernels.cudnn:cudnn_backend",
+    "pallas_gpu": "ls_jax.kernels.pallas_gpu:pallas_gpu_backend",
+    "pallas_tpu": "ls_jax.kernels.pallas_tpu:pallas_tpu_backend",
 }
 IMPLEMENTATIONS = tuple(_BACKENDS)
 PALLAS_IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu")

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.reference import blockwise_max_abs_logit, repeat_kv
+from ls_jax.kernels.reference import blockwise_max_abs_logit, repeat_kv
 
 
 def head_groups(window_sizes) -> list[tuple[int | None, list[int]]]:

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.band import cdiv, kv_block_range, q_block_range
-from kernels.pallas_gpu_bwd import flash_backward
-from kernels.pallas_gpu_fwd import flash_forward
-from kernels.pallas_gpu_tiles import LOOP_MODES, ClassPaths, TilePath
+from ls_jax.kernels.band import cdiv, kv_block_range, q_block_range
+from ls_jax.kernels.pallas_gpu_bwd import flash_backward
+from ls_jax.kernels.pallas_gpu_fwd import flash_forward
+from ls_jax.kernels.pallas_gpu_tiles import LOOP_MODES, ClassPaths, TilePath
 
 LOWERINGS = ("triton", "mosaic")
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.pallas_gpu_tiles import (LOG2_E, ClassPaths, TilePath, allowed_KxQ,
+from ls_jax.kernels.pallas_gpu_tiles import (LOG2_E, ClassPaths, TilePath, allowed_KxQ,
                                       allowed_QxK, mask_scores, run_band_loop, run_by_class,
                                       split_kv_loop, split_q_loop)
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.pallas_gpu_tiles import (LOG2_E, MASKED_SCORE, MAX_FLOOR, ClassPaths, TilePath,
+from ls_jax.kernels.pallas_gpu_tiles import (LOG2_E, MASKED_SCORE, MAX_FLOOR, ClassPaths, TilePath,
                                       allowed_QxK, mask_scores, run_band_loop, run_by_class,
                                       split_kv_loop)
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kernels.band import kv_block_range, kv_full_block_range, q_block_range, q_full_block_range
+from ls_jax.kernels.band import kv_block_range, kv_full_block_range, q_block_range, q_full_block_range
 
 MASKED_SCORE = -1e30
 MAX_FLOOR = -1e20  # far below any real scaled logit, far above MASKED_SCORE * c

@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.api import validate_inputs
-from kernels.pallas_tpu_bwd import dkdv_call, dq_call
-from kernels.pallas_tpu_fwd import forward_call
-from kernels.pallas_tpu_plan import AttentionPlan, make_plan
-from kernels.pallas_tpu_tiles import NUM_LANES, NUM_SUBLANES
+from ls_jax.kernels.api import validate_inputs
+from ls_jax.kernels.pallas_tpu_bwd import dkdv_call, dq_call
+from ls_jax.kernels.pallas_tpu_fwd import forward_call
+from ls_jax.kernels.pallas_tpu_plan import AttentionPlan, make_plan
+from ls_jax.kernels.pallas_tpu_tiles import NUM_LANES, NUM_SUBLANES
 
 
 def interpret_params(interpret) -> pltpu.InterpretParams | None:

@@ -23,15 +23,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.pallas_tpu_fwd import (
+from ls_jax.kernels.pallas_tpu_fwd import (
     NUM_TABLES,
     compiler_params,
     index_maps,
     scalar_tables,
     step_index,
 )
-from kernels.pallas_tpu_plan import FIRST, LAST, AttentionPlan, unpack_step
-from kernels.pallas_tpu_tiles import (
+from ls_jax.kernels.pallas_tpu_plan import FIRST, LAST, AttentionPlan, unpack_step
+from ls_jax.kernels.pallas_tpu_tiles import (
     NT_DIMS,
     NUM_LANES,
     NUM_SUBLANES,

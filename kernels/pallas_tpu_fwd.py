@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.pallas_tpu_plan import FIRST, LAST, AttentionPlan, unpack_step
-from kernels.pallas_tpu_tiles import (
+from ls_jax.kernels.pallas_tpu_plan import FIRST, LAST, AttentionPlan, unpack_step
+from ls_jax.kernels.pallas_tpu_tiles import (
     MASK_VALUE,
     NT_DIMS,
     NUM_LANES,

@@ -38,7 +38,7 @@ import functools
 
 import numpy as np
 
-from kernels.band import block_fully_inside, cdiv, kv_block_range, q_block_range
+from ls_jax.kernels.band import block_fully_inside, cdiv, kv_block_range, q_block_range
 
 FIRST = 1
 LAST = 2

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kernels.pallas_tpu_plan import ACTIVE, MASKED
+from ls_jax.kernels.pallas_tpu_plan import ACTIVE, MASKED
 
 NUM_LANES = 128
 NUM_SUBLANES = 8

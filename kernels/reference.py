@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.api import WindowSizes
+from ls_jax.kernels.api import WindowSizes
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 

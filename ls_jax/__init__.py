@@ -1,22 +1,39 @@
 """ls-jax: LS-attention (local + global heads) in JAX/Flax NNX.
 
     from ls_jax import LSAttention, Transformer, ModelConfig
+    from ls_jax.kernels import ls_attention      # the kernel entry point alone
+
+The public names below are imported on first use (PEP 562), so that ``import ls_jax.kernels``
+does not pull in Flax and no import order between the subpackages matters.
 """
 
-from kernels import LogitStats, ls_attention
-from ls_jax.attention import LSAttention, layer_window_sizes
-from ls_jax.config import Config, DataConfig, ModelConfig, TrainConfig
-from ls_jax.model import Transformer
+from __future__ import annotations
 
-__all__ = [
-    "Config",
-    "DataConfig",
-    "LSAttention",
-    "LogitStats",
-    "ModelConfig",
-    "TrainConfig",
-    "Transformer",
-    "layer_window_sizes",
-    "ls_attention",
-]
+import importlib
+
+_EXPORTS = {
+    "Config": "ls_jax.config",
+    "DataConfig": "ls_jax.config",
+    "ModelConfig": "ls_jax.config",
+    "TrainConfig": "ls_jax.config",
+    "LSAttention": "ls_jax.attention",
+    "layer_window_sizes": "ls_jax.attention",
+    "Transformer": "ls_jax.model",
+    "LogitStats": "ls_jax.kernels",
+    "ls_attention": "ls_jax.kernels",
+}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ls_jax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

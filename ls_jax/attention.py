@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from kernels import ls_attention, normalize_window_sizes
+from ls_jax.kernels import ls_attention, normalize_window_sizes
 from ls_jax.rope import apply_rope
 
 

@@ -20,7 +20,7 @@ def train_main(argv: list[str] | None = None) -> int:
                         help="config overrides, e.g. train.lr=1e-3 model.window=64")
     args = parser.parse_args(argv)
 
-    from configs import get_config
+    from ls_jax.configs import get_config
     from ls_jax.mesh import maybe_initialize_distributed
     from ls_jax.train import TrainingDiverged, train
 

@@ -1,12 +1,7 @@
-"""Shared test setup: repo root on sys.path, GPU/TPU markers skipped where absent."""
+"""Shared test setup: GPU/TPU markers skipped where absent (the venv has the project installed)."""
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import pytest
 
-from kernels import ls_attention
+from ls_jax.kernels import ls_attention
 
 q = jnp.zeros((2, 8, 4, 16))
 kv = jnp.zeros((2, 8, 2, 16))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from configs import CONFIGS, get_config
+from ls_jax.configs import CONFIGS, get_config
 from ls_jax.config import Config, ModelConfig, TrainConfig
 
 

@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import ls_attention
-from kernels.band import (kv_block_range, kv_full_block_range, q_block_range,
+from ls_jax.kernels import ls_attention
+from ls_jax.kernels.band import (kv_block_range, kv_full_block_range, q_block_range,
                           q_full_block_range)
-from kernels.pallas_gpu import (KernelConfig, key_block_schedule, key_plan,
+from ls_jax.kernels.pallas_gpu import (KernelConfig, key_block_schedule, key_plan,
                                 pallas_gpu_attention, pallas_gpu_attention_parts,
                                 query_block_schedule, query_plan)
-from kernels.pallas_gpu_tiles import split_kv_loop, split_q_loop
-from kernels.reference import reference_attention_parts
+from ls_jax.kernels.pallas_gpu_tiles import split_kv_loop, split_q_loop
+from ls_jax.kernels.reference import reference_attention_parts
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 

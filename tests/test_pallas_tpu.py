@@ -20,12 +20,12 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from bench.tpu_grid_steps import ours_counts, splash_counts, splash_mask
-from kernels import DEFAULT_IMPLEMENTATION, ls_attention
-from kernels.api import get_backend
-from kernels.pallas_tpu import pallas_tpu_attention_parts, pallas_tpu_backend
-from kernels.pallas_tpu_bwd import dkdv_call, dq_call
-from kernels.pallas_tpu_fwd import forward_call
-from kernels.pallas_tpu_plan import (
+from ls_jax.kernels import DEFAULT_IMPLEMENTATION, ls_attention
+from ls_jax.kernels.api import get_backend
+from ls_jax.kernels.pallas_tpu import pallas_tpu_attention_parts, pallas_tpu_backend
+from ls_jax.kernels.pallas_tpu_bwd import dkdv_call, dq_call
+from ls_jax.kernels.pallas_tpu_fwd import forward_call
+from ls_jax.kernels.pallas_tpu_plan import (
     ACTIVE,
     FIRST,
     LAST,
@@ -36,7 +36,7 @@ from kernels.pallas_tpu_plan import (
     make_plan,
     row_worklist,
 )
-from kernels.reference import allowed_mask, reference_attention_parts
+from ls_jax.kernels.reference import allowed_mask, reference_attention_parts
 
 # The interpreter's race detector state (a private module, as in JAX's own interpret tests).
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter  # noqa: E402

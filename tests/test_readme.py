@@ -3,7 +3,7 @@
 import os
 import re
 
-from configs import CONFIGS
+from ls_jax.configs import CONFIGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md")).read()

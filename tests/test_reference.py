@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import ls_attention
-from kernels.reference import allowed_mask, blockwise_max_abs_logit, reference_attention_parts
+from ls_jax.kernels import ls_attention
+from ls_jax.kernels.reference import allowed_mask, blockwise_max_abs_logit, reference_attention_parts
 
 
 def loop_allowed(i, j, p, seg=None, b=0):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ls_jax.train as train_lib
-from configs import get_config
+from ls_jax.configs import get_config
 from ls_jax.checkpoint import CheckpointError, Checkpointer
 from ls_jax.cli import eval_main
 from ls_jax.evaluate import evaluate_checkpoint
@@ -197,13 +197,13 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
 def test_two_devices_match_one(tmp_path):
     """Data parallel over 2 CPU devices gives the same losses as 1 device (to fp32 noise)."""
     script = (
-        "import sys, json; sys.path.insert(0, %r)\n"
+        "import sys, json\n"
         "from tests.test_train import micro_config\n"
         "from ls_jax.train import train\n"
         "import jax\n"
         "r = train(micro_config('train.num_steps=3', 'train.save_every=3'), sys.argv[1], log=lambda m: None)\n"
         "print(json.dumps({'devices': jax.device_count(), 'losses': [r.losses[s] for s in (1, 2, 3)]}))\n"
-    ) % ROOT
+    )
     results = {}
     for n in (1, 2):
         env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",

@@ -50,6 +50,12 @@ PRESETS = {
             "seq_len": 2048, "batch_size": 32, "steps": 400, "lrs": log_spaced(3e-4, 3e-2, 7),
             "corpus": "python", "max_corpus_mb": 96, "validation_percent": 1,
             "eval_batches": 8},
+    # The repeat at T=8192 (the same tokens per step and point); MHSA runs at about
+    # 2.4M tokens/s there on an H200 (stability run 3): ~8-9 minutes. Not in this budget.
+    "gpu_t8192": {"overrides": ["model.max_seq_len=8192", "data.seq_len=8192"],
+                  "seq_len": 8192, "batch_size": 8, "steps": 400,
+                  "lrs": log_spaced(3e-4, 3e-2, 7), "corpus": "python", "max_corpus_mb": 96,
+                  "validation_percent": 1, "eval_batches": 8},
     "smoke": {"overrides": ["model.n_layer=1", "model.d_model=32", "model.n_head=2",
                             "model.head_dim=16", "model.window=8", "model.max_seq_len=64",
                             "data.seq_len=64", "model.compute_dtype=float32"],

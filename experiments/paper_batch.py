@@ -44,7 +44,7 @@ TABLE_EVERY = 10
 
 PRESETS = {
     "gpu": {"overrides": [], "corpus": "python", "max_corpus_mb": None,
-            "validation_percent": 1, "eval_batches": 4, "time_per_variant_s": 150.0,
+            "validation_percent": 1, "eval_batches": 4, "time_per_variant_s": 120.0,
             "fetch_every": 10},
     "smoke": {"overrides": ["model.n_layer=1", "model.d_model=32", "model.n_head=2",
                             "model.head_dim=16", "model.window=8", "model.max_seq_len=64",
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default="ls,mhsa",
                         help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--time-per-variant-s", type=float, default=None,
-                        help="training seconds per variant after its compile (preset: 150 on GPU)")
+                        help="training seconds per variant after its compile (preset: 120 on GPU)")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop each variant after this many steps (the schedule is unchanged)")
     parser.add_argument("--corpus-mb", type=int, default=None,

@@ -17,6 +17,10 @@ points it holds and refuses an OUT made with other settings. Points run lr by lr
 of one lr, then the next, in an order that spreads the lrs) so that a call stopped by
 ``--time-budget-s`` leaves curves that span the range. Each call rewrites ``results.json``,
 ``results.md`` and ``lr_sweep.png``.
+
+On a machine with several GPUs, one process per variant can share one OUT (each with its own
+``CUDA_VISIBLE_DEVICES`` and ``--variants``); their points append without interleaving, and a
+final ``--report-only`` draws all of them.
 """
 
 from __future__ import annotations
@@ -115,9 +119,14 @@ def write_settings(out: str, settings: dict, corpus_desc: dict) -> None:
         if same != now:
             raise ValueError(f"out: {out} was swept on another corpus ({same}); this machine "
                              f"builds {now}. Use a new --out")
-    tmp = path + ".tmp"
+    _write_atomic(path, json.dumps({**settings, "corpus_built": old_built or corpus_desc}, indent=2))
+
+
+def _write_atomic(path: str, text: str) -> None:
+    """Whole-file replace (several sweep processes may share one OUT, see the docs)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        json.dump({**settings, "corpus_built": old_built or corpus_desc}, f, indent=2)
+        f.write(text)
     os.replace(tmp, path)
 
 
@@ -134,10 +143,17 @@ def read_points(out: str) -> dict[str, dict]:
 
 
 def append_point(out: str, point: dict) -> None:
-    with open(os.path.join(out, "points.jsonl"), "a") as f:
-        f.write(json.dumps(point, allow_nan=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """One line, one O_APPEND write: processes sweeping other variants into the same OUT
+    (one per GPU) do not interleave their lines."""
+    data = (json.dumps(point, allow_nan=True) + "\n").encode()
+    fd = os.open(os.path.join(out, "points.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, data)
+        if written != len(data):
+            raise OSError(f"points.jsonl: wrote {written} of {len(data)} bytes")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # -- judging a run ----------------------------------------------------------------------------
@@ -270,12 +286,13 @@ def run(out: str, preset_name: str = "smoke", variants=VARIANTS, lrs=None, steps
             point = point_result(v, lr, rec, eval_loss, compile_s)
             point["epochs"] = round(sampler.epochs(rec.steps), 3)
             append_point(out, point)
-            points[point_key(v, lr)] = point
+            points = read_points(out)  # with the points of other processes sharing OUT
             point_s.append(time.time() - t0)
             log(f"{v} lr {lr:g}: {rec.state}, eval {eval_loss:.4f}, train {point['final_train_loss']}, "
                 f"max|logit| {point['final_max_abs_logit']}, diverged {point['diverged']}, "
                 f"{rec.tokens_per_sec / 1e6:.2f}M tok/s, {time.time() - t0:.1f}s")
             write_results(out, points, variants, lrs, settings)
+    points = read_points(out)
     lrs = sorted(set(lrs) | {p["lr"] for p in points.values() if p["variant"] in variants})
     summary = write_results(out, points, variants, lrs, settings)
     plot(out, points, variants, lrs)
@@ -398,16 +415,12 @@ def write_results(out, points, variants, lrs, settings) -> dict:
                      f"{_fmt(s['best_lr'], '.3g')} | {_fmt(s['best_loss'])} | {rng} | "
                      f"{_fmt(s['ratio'], '.2f')}x | {s['diverged']} | {s['spikes']} |")
     lines += ["", "![lr sweep](lr_sweep.png)", ""]
-    with open(os.path.join(out, "results.md"), "w") as f:
-        f.write("\n".join(lines))
+    _write_atomic(os.path.join(out, "results.md"), "\n".join(lines))
     result = {"settings": {k: v for k, v in settings.items() if k != "configs"},
               "corpus": built, "summary": summary,
               "points": [{k: v for k, v in p.items() if k not in ("loss", "max_abs_logit", "grad_norm")}
                          for p in done]}
-    tmp = os.path.join(out, "results.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2, allow_nan=True)
-    os.replace(tmp, os.path.join(out, "results.json"))
+    _write_atomic(os.path.join(out, "results.json"), json.dumps(result, indent=2, allow_nan=True))
     return summary
 
 
@@ -466,7 +479,9 @@ def plot(out, points, variants, lrs) -> str:
         ax.legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(out, "lr_sweep.png")
-    fig.savefig(path, dpi=100)
+    tmp = f"{path}.{os.getpid()}.tmp.png"
+    fig.savefig(tmp, dpi=100)
+    os.replace(tmp, path)
     plt.close(fig)
     return path
 

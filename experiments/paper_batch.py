@@ -257,6 +257,7 @@ def plot(out: str, results: dict) -> str:
             per_layer = np.asarray([[max(row) for row in x[1]] for x in tables])
             for layer in range(per_layer.shape[1]):
                 ax_layer.plot(t_steps, per_layer[:, layer], color=color,
+                              marker="o" if len(t_steps) < 20 else None,
                               alpha=0.35 + 0.65 * layer / max(1, per_layer.shape[1] - 1),
                               label=f"{v} layer {layer}")
     ax_loss.set(xlabel="step", ylabel="training loss (nats/byte)", title="loss")

@@ -37,23 +37,23 @@ from ls_jax.optimizer import learning_rate_schedule, make_optimizer
 VARIANT_CONFIGS = {"ls": "paper", "mhsa": "paper_mhsa", "mhsa_qknorm": "paper_qknorm",
                    "mhsa_zloss": "paper_zloss"}
 VARIANTS = tuple(VARIANT_CONFIGS)
+# what the variants differ in: an experiment's overrides must leave these alone
+VARIANT_KEYS = ("model.n_head", "model.n_global_heads", "model.qk_norm", "train.z_loss")
 BATCH_AXIS = "data"
 
 
 def variant_config(variant: str, overrides=()) -> Config:
-    """The paper config of ``variant`` with byte tokens and ``overrides`` (section.key=value).
-
-    An all-global (MHSA) config stays all-global when an override changes ``model.n_head``.
-    """
+    """The paper config of ``variant`` with byte tokens and ``overrides`` (section.key=value),
+    which must leave alone what makes the variants differ (``VARIANT_KEYS``)."""
     if variant not in VARIANT_CONFIGS:
         raise ValueError(f"variants: expected names from {VARIANTS}, got {variant!r}")
-    cfg = get_config(VARIANT_CONFIGS[variant])
-    overrides = ["model.vocab_size=256", "data.tokenizer=bytes", "data.source=stdlib",
-                 *overrides]
-    n_head = [o.split("=", 1)[1] for o in overrides if o.startswith("model.n_head=")]
-    if n_head and cfg.model.n_global_heads == cfg.model.n_head:
-        overrides.append(f"model.n_global_heads={n_head[-1]}")
-    cfg = cfg.override(overrides)
+    touched = [o for o in overrides if o.split("=", 1)[0].strip() in VARIANT_KEYS]
+    if touched:
+        raise ValueError(f"overrides: expected none of {VARIANT_KEYS} (they define the "
+                         f"variants), got {touched}")
+    cfg = get_config(VARIANT_CONFIGS[variant],
+                     ["model.vocab_size=256", "data.tokenizer=bytes", "data.source=stdlib",
+                      *overrides])
     return dataclasses.replace(cfg, name=f"{cfg.name}_bytes")
 
 

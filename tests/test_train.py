@@ -14,7 +14,7 @@ import pytest
 import ls_jax.train as train_lib
 from ls_jax.configs import get_config
 from ls_jax.checkpoint import CheckpointError, Checkpointer
-from ls_jax.cli import eval_main
+from ls_jax.configs.cli import eval_main
 from ls_jax.evaluate import evaluate_checkpoint
 from ls_jax.metrics import read_jsonl
 from ls_jax.train import TrainingDiverged, train

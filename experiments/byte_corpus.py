@@ -9,7 +9,8 @@ read their data with numpy alone:
   order of a hash of their path until the cap, so a cap gives a fixed, spread-out subset.
 * Tokens are the library's byte tokens (``ls_jax.tokenizer.ByteTokenizer``: UTF-8 bytes, NUL
   removed, id 0 ends each document), stored as one uint8 array per split; validation is the
-  files whose path hash falls below ``validation_percent`` (the rule of ``ls_jax.data``).
+  files whose path hash falls below ``validation_percent`` (``ls_jax.sources.hash_percent``,
+  the rule of the library's local sources).
 * ``WindowSampler`` cuts a split into non-overlapping windows of T + 1 tokens and returns the
   windows of step ``s`` in a seeded order that is a new permutation each epoch. A batch depends
   only on (tokens, T, batch size, seed, step): every run with those sees the same data in the
@@ -28,22 +29,18 @@ import time
 
 import numpy as np
 
+from ls_jax.sources import hash_percent, stdlib_root
 from ls_jax.tokenizer import ByteTokenizer
 
 SOURCES = ("stdlib", "python")
 _PACKAGE_DIRS = frozenset({"site-packages", "dist-packages"})
 
 
-def hash_percent(key: str) -> int:
-    """Stable bucket in [0, 100) of a path key (the rule ``ls_jax.data`` splits files by)."""
-    return int.from_bytes(hashlib.sha256(key.encode("utf-8")).digest()[:8], "little") % 100
-
-
 def source_roots(source: str) -> list[tuple[str, str]]:
     """(label, directory) of each tree a source reads: the stdlib, then the package dirs."""
     if source not in SOURCES:
         raise ValueError(f"source: expected one of {SOURCES}, got {source!r}")
-    roots = [("stdlib", os.path.realpath(sysconfig.get_paths()["stdlib"]))]
+    roots = [("stdlib", os.path.realpath(stdlib_root()))]
     if source == "python":
         dirs = [sysconfig.get_paths()[k] for k in ("purelib", "platlib")] + site.getsitepackages()
         seen = set()

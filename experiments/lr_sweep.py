@@ -36,6 +36,7 @@ import numpy as np
 
 from experiments.byte_corpus import SOURCES, WindowSampler, build_corpus
 from experiments.runner import VARIANTS, Program, data_mesh, run_steps, variant_config
+from experiments.stability_report import count_spikes
 
 MARGIN_NATS = 0.05  # an lr is "within the margin" when its loss <= best loss + this
 BLOWUP_FACTOR = 1.5
@@ -166,13 +167,6 @@ def blew_up(losses: list[float], factor: float = BLOWUP_FACTOR) -> bool:
     tail = losses[-max(1, int(len(losses) * TAIL_FRACTION)):]
     best = min(float(np.median(losses[max(0, i - 10):i + 1])) for i in range(len(losses)))
     return float(np.median(tail)) > factor * best
-
-
-def count_spikes(losses: list[float], factor: float = 1.5, window: int = 50) -> int:
-    """Steps whose loss exceeds factor x the median of the window before them (the rule of
-    docs/stability.md)."""
-    from ls_jax.experiments.stability_report import count_spikes as rule
-    return rule(losses, factor, window)
 
 
 def spread_order(n: int) -> list[int]:

@@ -36,7 +36,8 @@ import time
 import numpy as np
 
 from experiments.byte_corpus import WindowSampler, build_corpus
-from experiments.lr_sweep import TAIL_FRACTION, blew_up, count_spikes
+from experiments.lr_sweep import TAIL_FRACTION, blew_up
+from experiments.stability_report import count_spikes
 from experiments.runner import (VARIANTS, Program, data_mesh, run_steps,
                                 sharded_attention_available, variant_config)
 

@@ -34,24 +34,15 @@ from ls_jax.loss import lm_loss
 from ls_jax.model import Transformer
 from ls_jax.optimizer import learning_rate_schedule, make_optimizer
 
-VARIANT_CONFIGS = {"ls": "paper", "mhsa": "paper_mhsa", "mhsa_qknorm": "paper_qknorm",
-                   "mhsa_zloss": "paper_zloss"}
-VARIANTS = tuple(VARIANT_CONFIGS)
-# what the variants differ in: an experiment's overrides must leave these alone
-VARIANT_KEYS = ("model.n_head", "model.n_global_heads", "model.qk_norm", "train.z_loss")
+from experiments.variants import VARIANTS, config_name
+
 BATCH_AXIS = "data"
 
 
 def variant_config(variant: str, overrides=()) -> Config:
     """The paper config of ``variant`` with byte tokens and ``overrides`` (section.key=value),
-    which must leave alone what makes the variants differ (``VARIANT_KEYS``)."""
-    if variant not in VARIANT_CONFIGS:
-        raise ValueError(f"variants: expected names from {VARIANTS}, got {variant!r}")
-    touched = [o for o in overrides if o.split("=", 1)[0].strip() in VARIANT_KEYS]
-    if touched:
-        raise ValueError(f"overrides: expected none of {VARIANT_KEYS} (they define the "
-                         f"variants), got {touched}")
-    cfg = get_config(VARIANT_CONFIGS[variant],
+    which must leave alone what makes the variants differ (``experiments.variants``)."""
+    cfg = get_config(config_name(variant, overrides),
                      ["model.vocab_size=256", "data.tokenizer=bytes", "data.source=stdlib",
                       *overrides])
     return dataclasses.replace(cfg, name=f"{cfg.name}_bytes")

@@ -8,7 +8,9 @@ optimizer (``ls_jax.optimizer.make_optimizer``), built with a unit peak learning
 (lr = 1, min_lr = min_lr / lr) and its update multiplied by the peak lr passed at run time.
 AdamW's update is linear in the learning rate (the decoupled weight decay is scaled by it too),
 so this is the library's update up to float rounding; a CPU test checks it against
-``ls_jax.train.make_train_step``. No checkpoints, no TensorBoard: the runs are minutes long.
+``ls_jax.train.make_train_step``. Every step asks the attention kernel for its logit
+statistics (``ls_jax.train`` does so only on logged steps): the per-step max |logit| is what
+these experiments record. No checkpoints, no TensorBoard: the runs are minutes long.
 
 Variants are the paper's configs (``ls_jax.configs``: paper, paper_mhsa, paper_qknorm,
 paper_zloss) with byte tokens (vocab 256) and the experiment's overrides.

@@ -47,7 +47,7 @@ def _padded_attention_bwd(plan: AttentionPlan, residuals, cotangents):
 _padded_attention.defvjp(_padded_attention_fwd, _padded_attention_bwd)
 
 
-def _prepare(q, k, v, window_sizes: WindowSizes, segment_ids, scale, config, with_stats,
+def _prepare(q, k, v, window_sizes: WindowSizes, segment_ids, scale, config, logit_stats,
              interpret):
     """The call's plan and the inputs padded to it (T to whole blocks, D to a matrix-unit
     size)."""
@@ -59,9 +59,9 @@ def _prepare(q, k, v, window_sizes: WindowSizes, segment_ids, scale, config, wit
             "implementation='pallas_gpu' needs a CUDA GPU (JAX backend 'gpu'), got backend "
             f"{jax.default_backend()!r}; pass interpret=True to run it in Pallas interpret "
             "mode, or use implementation='reference'")
-    plan = make_plan(seq_len=T, head_dim=D, window_sizes=window_sizes, num_kv_heads=k.shape[2],
+    plan = make_plan(seq_len=T, head_dim=D, windows=window_sizes, num_kv_heads=k.shape[2],
                      dtype=q.dtype, scale=default_scale(D) if scale is None else scale,
-                     config=config, with_stats=with_stats, interpret=interpret)
+                     config=config, logit_stats=logit_stats, interpret=interpret)
     Tp, Dp = plan.seq_len_padded, plan.head_dim_padded
     if Tp != T or Dp != D:
         pad = ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D))

@@ -205,7 +205,7 @@ def dq_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
     B, Tp, H, Dp = q.shape
     programs = plan.query_plan("dq")
     schedule = jnp.asarray(programs.schedule)
-    head_table = jnp.stack([jnp.asarray(plan.windows, jnp.int32),
+    head_table = jnp.stack([jnp.asarray(plan.window_table(), jnp.int32),
                             jnp.asarray(programs.head_class)])
     seg = [] if segment_ids is None else [segment_ids]
     delta_in_kernel = plan.config.delta_in_kernel
@@ -241,5 +241,5 @@ def dkdv_call(plan: AttentionPlan, q, k, v, segment_ids, do, lse2, delta):
         compiler_params=_compiler_params(plan),
         interpret=plan.interpret,
         name="ls_attention_bwd_dkdv",
-    )(schedule, jnp.asarray(plan.windows, jnp.int32), jnp.asarray(programs.head_class), q, k,
-      v, *seg, do, lse2, delta)
+    )(schedule, jnp.asarray(plan.window_table(), jnp.int32), jnp.asarray(programs.head_class),
+      q, k, v, *seg, do, lse2, delta)

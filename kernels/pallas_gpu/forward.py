@@ -133,23 +133,23 @@ def forward_call(plan: AttentionPlan, q, k, v, segment_ids):
 
     Returns:
       out [B, Tp, H, Dp] in q.dtype, lse2 float32 [B, H, Tp] (log2 domain: natural lse
-      times log2(e)), and with ``plan.with_stats`` float32 [B, H, Tp] max |logit| of each row.
+      times log2(e)), and with ``plan.logit_stats`` float32 [B, H, Tp] max |logit| of each row.
     """
     B, Tp, H, Dp = q.shape
     G = k.shape[2]
     programs = plan.query_plan("fwd")
     c = plan.config
     # per-head table: row 0 the effective window, row 1 the head's class
-    head_table = jnp.stack([jnp.asarray(plan.windows, jnp.int32),
+    head_table = jnp.stack([jnp.asarray(plan.window_table(), jnp.int32),
                             jnp.asarray(programs.head_class)])
     schedule = jnp.asarray(programs.schedule)
     kernel = functools.partial(
         _forward_kernel, paths=programs.paths, num_slots=programs.num_slots, group=H // G,
         seq_len=Tp, score_scale=plan.scale * LOG2_E, scale=plan.scale,
-        has_segments=segment_ids is not None, with_stats=plan.with_stats)
+        has_segments=segment_ids is not None, with_stats=plan.logit_stats)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)]
-    if plan.with_stats:
+    if plan.logit_stats:
         out_shape.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
     inputs = [schedule, head_table, q, k, v] + ([] if segment_ids is None else [segment_ids])
     outs = pl.pallas_call(
@@ -161,4 +161,4 @@ def forward_call(plan: AttentionPlan, q, k, v, segment_ids):
         interpret=plan.interpret,
         name="ls_attention_fwd",
     )(*inputs)
-    return (outs[0], outs[1], outs[2] if plan.with_stats else None)
+    return (outs[0], outs[1], outs[2] if plan.logit_stats else None)

@@ -229,41 +229,45 @@ class AttentionPlan:
     seq_len_padded: int
     head_dim: int
     head_dim_padded: int
-    windows: tuple[int, ...]  # per query head, effective (global heads: the padded length)
+    windows: WindowSizes  # per query head: int >= 1 (local) or None (global)
     num_kv_heads: int
     scale: float
     config: KernelConfig
-    with_stats: bool
+    logit_stats: bool
     interpret: bool
 
     @property
     def wide_threshold(self) -> int:
         return self.config.wide_window or self.seq_len_padded
 
+    def window_table(self) -> tuple[int, ...]:
+        """Each query head's effective window over the padded length."""
+        return effective_windows(self.windows, self.seq_len_padded)
+
     def query_plan(self, kernel: str) -> ProgramPlan:
         """Programs of the forward ("fwd") or dQ ("dq") kernel."""
         narrow, wide = self.config.paths(kernel)
-        return query_plan(self.windows, self.seq_len_padded, narrow, wide, self.wide_threshold)
+        return query_plan(self.window_table(), self.seq_len_padded, narrow, wide,
+                          self.wide_threshold)
 
     def key_plan(self) -> ProgramPlan:
         """Programs of the dK/dV kernel."""
         narrow, wide = self.config.paths("dkdv")
-        return key_plan(self.windows, self.num_kv_heads, self.seq_len_padded, narrow, wide,
-                        self.wide_threshold)
+        return key_plan(self.window_table(), self.num_kv_heads, self.seq_len_padded, narrow,
+                        wide, self.wide_threshold)
 
 
-def make_plan(*, seq_len: int, head_dim: int, window_sizes: WindowSizes, num_kv_heads: int,
-              dtype, scale: float, config: KernelConfig | None, with_stats: bool,
+def make_plan(*, seq_len: int, head_dim: int, windows: WindowSizes, num_kv_heads: int,
+              dtype, scale: float, config: KernelConfig | None, logit_stats: bool,
               interpret: bool) -> AttentionPlan:
     """Validates ``config`` (default: ``default_config``), fits it to the sequence, pads."""
     if config is None:
-        config = default_config(dtype, head_dim, window_sizes, seq_len)
+        config = default_config(dtype, head_dim, windows, seq_len)
     config.validate()
     config = config.fit_to(seq_len)
     seq_len_padded = cdiv(seq_len, max(config.blocks())) * max(config.blocks())
     return AttentionPlan(
         seq_len=seq_len, seq_len_padded=seq_len_padded, head_dim=head_dim,
         head_dim_padded=max(16, 1 << (head_dim - 1).bit_length()),
-        windows=effective_windows(window_sizes, seq_len_padded), num_kv_heads=num_kv_heads,
-        scale=float(scale), config=config, with_stats=bool(with_stats),
-        interpret=bool(interpret))
+        windows=tuple(windows), num_kv_heads=num_kv_heads, scale=float(scale),
+        config=config, logit_stats=bool(logit_stats), interpret=bool(interpret))

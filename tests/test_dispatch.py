@@ -74,3 +74,20 @@ def test_ls_attention_follows_the_rule(monkeypatch):
                                          r"'rocm'"):
         ls_attention(q, q, q, (None, 4))
     ls_attention(q, q, q, (None, 4), implementation="reference")  # an explicit choice works
+
+
+@pytest.mark.gpu
+def test_cuda_default_runs_cudnn_for_all_global_and_matches_reference():
+    import jax
+    import numpy as np
+
+    from ls_jax.kernels.reference import reference_attention_parts
+
+    assert current_platform() == "cuda"
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (2, 1024, 4, 64), jnp.bfloat16) for key in (kq, kk, kv))
+    for windows in ((None,) * 4, (None, 128, 128, 128)):
+        out = jax.jit(lambda q, k, v: ls_attention(q, k, v, windows))(q, k, v)
+        want = reference_attention_parts(*(x.astype(jnp.float32) for x in (q, k, v)), windows)[0]
+        err = np.linalg.norm(np.asarray(out, np.float32) - want) / np.linalg.norm(want)
+        assert err < 1e-2, (windows, err)

@@ -81,18 +81,18 @@ class LSAttention(nnx.Module):
         """Returns y [B, T, d_model], or (y, max_abs_logit [n_head]) with return_logit_stats."""
         B, T, _ = x_BxTxM.shape
         q_BxTxHxD = self.q_proj(x_BxTxM).reshape(B, T, self.n_head, self.head_dim)
-        k_BxTxKxD = self.k_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
-        v_BxTxKxD = self.v_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
+        k_BxTxGxD = self.k_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
+        v_BxTxGxD = self.v_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
         if self.q_norm is not None:
             q_BxTxHxD = self.q_norm(q_BxTxHxD).astype(self.dtype)
-            k_BxTxKxD = self.k_norm(k_BxTxKxD).astype(self.dtype)
+            k_BxTxGxD = self.k_norm(k_BxTxGxD).astype(self.dtype)
         if self.rope_theta is not None:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(T), (B, T))
             q_BxTxHxD = apply_rope(q_BxTxHxD, positions, self.rope_theta)
-            k_BxTxKxD = apply_rope(k_BxTxKxD, positions, self.rope_theta)
+            k_BxTxGxD = apply_rope(k_BxTxGxD, positions, self.rope_theta)
         result = ls_attention(
-            q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, self.window_sizes, segment_ids=segment_ids,
+            q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, self.window_sizes, segment_ids=segment_ids,
             return_logit_stats=return_logit_stats, implementation=self.implementation)
         out_BxTxHxD = result[0] if return_logit_stats else result
         y_BxTxM = self.o_proj(out_BxTxHxD.reshape(B, T, self.n_head * self.head_dim))

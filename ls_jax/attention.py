@@ -99,3 +99,83 @@ class LSAttention(nnx.Module):
         if return_logit_stats:
             return y_BxTxD, result[1].max_abs_logit
         return y_BxTxD
+
+    # -- decoding with a KV cache (ls_jax/kv_cache.py, ls_jax/generate.py) ----------------------
+
+    def cache_layout(self, max_len: int):
+        """This layer's split into the global cache and the ring buffer (``CacheLayout``)."""
+        from ls_jax.kv_cache import CacheLayout
+        return CacheLayout.build(self.window_sizes, self.n_head, self.n_kv_head, max_len)
+
+    def attend_cached(self, x_BxCxD: jax.Array, cache, *, positions_BxC: jax.Array,
+                      old_lengths_B: jax.Array, new_lengths_B: jax.Array, fresh: bool,
+                      decode_implementation: str | None = None):
+        """Attention of C new tokens per row that also writes them into ``cache``.
+
+        cache: this layer's ``LayerCache`` holding ``old_lengths_B`` positions per row.
+        positions_BxC: positions of the new tokens (tokens at positions >= new_lengths_B are
+          padding: written nowhere that a later query reads).
+        fresh: the cache is empty (the first prefill chunk): the chunk's attention is one
+          ``ls_attention`` call, the full-sequence kernel. Otherwise queries read the cache
+          through ``kernels.decode.cached_attention``; with C == 1 (a decode step) local heads
+          read only their ring buffer.
+        Returns (y [B, C, d_model], the updated LayerCache).
+        """
+        from ls_jax.kernels.decode import cached_attention
+        from ls_jax.kv_cache import (LayerCache, global_positions, ring_positions, update_ring,
+                                     write_global)
+
+        B, C, _ = x_BxCxD.shape
+        layout = self.cache_layout(cache.k_global.shape[1])
+        q_BxCxHxK = self.q_proj(x_BxCxD).reshape(B, C, self.n_head, self.head_dim)
+        k_BxCxGxK = self.k_proj(x_BxCxD).reshape(B, C, self.n_kv_head, self.head_dim)
+        v_BxCxGxK = self.v_proj(x_BxCxD).reshape(B, C, self.n_kv_head, self.head_dim)
+        if self.q_norm is not None:
+            q_BxCxHxK = self.q_norm(q_BxCxHxK).astype(self.dtype)
+            k_BxCxGxK = self.k_norm(k_BxCxGxK).astype(self.dtype)
+        if self.rope_theta is not None:
+            q_BxCxHxK = apply_rope(q_BxCxHxK, positions_BxC, self.rope_theta)
+            k_BxCxGxK = apply_rope(k_BxCxGxK, positions_BxC, self.rope_theta)
+
+        def heads(x, idx):
+            return jnp.take(x, jnp.asarray(idx, jnp.int32), axis=2)
+
+        k_glob, v_glob = heads(k_BxCxGxK, layout.global_kv), heads(v_BxCxGxK, layout.global_kv)
+        k_loc, v_loc = heads(k_BxCxGxK, layout.local_kv), heads(v_BxCxGxK, layout.local_kv)
+        k_global = write_global(cache.k_global, k_glob, positions_BxC)
+        v_global = write_global(cache.v_global, v_glob, positions_BxC)
+        k_local, v_local = cache.k_local, cache.v_local
+        start_B = positions_BxC[:, 0]
+        if layout.local_kv:
+            k_local = update_ring(cache.k_local, k_loc, old_lengths_B, new_lengths_B, start_B)
+            v_local = update_ring(cache.v_local, v_loc, old_lengths_B, new_lengths_B, start_B)
+
+        if fresh:
+            out_BxCxHxK = ls_attention(q_BxCxHxK, k_BxCxGxK, v_BxCxGxK, self.window_sizes,
+                                       implementation=self.implementation)
+        else:
+            q_sorted = heads(q_BxCxHxK, layout.q_order)
+            n_qg = len(layout.global_windows)
+            q_pos_BxC = jnp.where(positions_BxC < new_lengths_B[:, None], positions_BxC, -1)
+            parts = []
+            if layout.global_kv:
+                parts.append(cached_attention(
+                    q_sorted[:, :, :n_qg], k_global, v_global, q_pos_BxC,
+                    global_positions(new_lengths_B, k_global.shape[1]), layout.global_windows,
+                    implementation=decode_implementation))
+            if layout.local_kv:
+                P = layout.ring_size
+                if C == 1:  # a decode step: the updated ring holds every key in the window
+                    k_read, v_read = k_local, v_local
+                    k_pos = ring_positions(new_lengths_B, P)
+                else:  # a prefill chunk: the old ring, then the chunk's own keys
+                    k_read = jnp.concatenate([cache.k_local, k_loc.astype(k_local.dtype)], 1)
+                    v_read = jnp.concatenate([cache.v_local, v_loc.astype(v_local.dtype)], 1)
+                    k_pos = jnp.concatenate([ring_positions(old_lengths_B, P), q_pos_BxC], 1)
+                parts.append(cached_attention(
+                    q_sorted[:, :, n_qg:], k_read, v_read, q_pos_BxC, k_pos,
+                    layout.local_windows, implementation=decode_implementation))
+            out_sorted = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+            out_BxCxHxK = heads(out_sorted, layout.q_inverse).astype(q_BxCxHxK.dtype)
+        y_BxCxD = self.o_proj(out_BxCxHxK.reshape(B, C, self.n_head * self.head_dim))
+        return y_BxCxD, LayerCache(k_global, v_global, k_local, v_local)

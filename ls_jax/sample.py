@@ -1,0 +1,97 @@
+"""Sample text from a trained run: ``python -m ls_jax.sample --checkpoint DIR --prompt "..."``.
+
+The run directory gives the config (``config.json``) and with it the tokenizer; only the model
+parameters are read from the checkpoint (the optimizer state stays on disk). Prints the
+prompt and its continuation, then the token counts and tokens/s. Bad input: one line on
+stderr, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_DTYPES = ("bfloat16", "float32")
+
+
+def load_model(workdir: str, step: int | None = None):
+    """(model, Config, step) of the run in ``workdir``, parameters only."""
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from ls_jax.checkpoint import Checkpointer
+    from ls_jax.train import abstract_train_state, load_config
+
+    cfg = load_config(workdir)
+    graphdef, abstract = abstract_train_state(cfg)
+    # state = (model, optimizer): keep the model's parameters, skip everything else
+    params_only = nnx.State({0: abstract[0], 1: jax_tree_placeholder(abstract[1], ocp)})
+    ckpt = Checkpointer(workdir, create=False)
+    try:
+        step, state = ckpt.restore(step, params_only)
+    finally:
+        ckpt.close()
+    model_state = state[0]
+    model = nnx.merge(graphdef, nnx.State({0: model_state, 1: abstract[1]}))[0]
+    return model, cfg, step
+
+
+def jax_tree_placeholder(tree, ocp):
+    import jax
+    return jax.tree.map(lambda _: ocp.PLACEHOLDER, tree)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ls_jax.sample",
+        description="Generate text with a model trained by train.py (KV-cache decoding).")
+    parser.add_argument("--checkpoint", required=True, help="the run directory (train --workdir)")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-stop", action="store_true",
+                        help="do not stop at the tokenizer's end-of-document token")
+    parser.add_argument("--chunk-size", type=int, default=512, help="prefill chunk length")
+    parser.add_argument("--cache-dtype", default="bfloat16", choices=_DTYPES)
+    args = parser.parse_args(argv)
+
+    import jax.numpy as jnp
+
+    from ls_jax.checkpoint import CheckpointError
+    from ls_jax.generate import generate
+    from ls_jax.tokenizer import make_tokenizer
+    from ls_jax.train import load_config
+
+    try:
+        if not args.prompt:
+            raise ValueError("--prompt: expected a non-empty text, got ''")
+        cfg = load_config(args.checkpoint)
+        tokenizer = make_tokenizer(cfg.data.tokenizer)
+        prompt_ids = tokenizer.encode(args.prompt)
+        if prompt_ids.size == 0:
+            raise ValueError(f"--prompt: {args.prompt!r} encodes to no tokens")
+        model, cfg, step = load_model(args.checkpoint, args.step)
+        result = generate(
+            model, prompt_ids, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            end_id=None if args.no_stop else tokenizer.eos_id, chunk_size=args.chunk_size,
+            cache_dtype=jnp.dtype(args.cache_dtype))
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    new = result.tokens[0]
+    print(args.prompt + tokenizer.decode(new))
+    rate = len(new) / result.decode_seconds if result.decode_seconds > 0 else float("nan")
+    print(f"--\nstep {step}: {len(prompt_ids)} prompt + {len(new)} new tokens; prefill "
+          f"{result.prefill_seconds:.2f} s, decode {result.decode_seconds:.2f} s "
+          f"({rate:.1f} tokens/s; {result.compile_seconds:.2f} s compiling it)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

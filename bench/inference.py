@@ -23,6 +23,9 @@ Prints the table last and writes JSON to ``--out``.
   python bench/inference.py --out inference.json                 # full run, one GPU (~5 min)
   python bench/inference.py --quick --out inference.json         # paper shape, T=8192 only
   JAX_PLATFORMS=cpu python bench/inference.py --smoke --out /tmp/x.json   # tiny, CPU check
+
+Decode backends: --decode-impls (default xla,pallas_gpu on GPU); a backend that fails is
+recorded as a skipped row, not a crash.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ def device_peak() -> int | None:
 def run_prefill(model, B: int, T: int, args) -> dict:
     graphdef, state = nnx.split(model)
     cache = model.init_cache(B, T, dtype=jnp.bfloat16)
-    fn = prefill_chunk_fn(graphdef, fresh=True, decode_implementation=args.decode_impl)
+    fn = prefill_chunk_fn(graphdef, fresh=True, decode_implementation=None)
     tokens = jax.random.randint(jax.random.key(0), (B, T), 0, model.cfg.vocab_size)
     lengths = jnp.full((B,), T, jnp.int32)
     logits = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
@@ -127,7 +130,7 @@ def run_prefill(model, B: int, T: int, args) -> dict:
             "compiled_bytes": compiled_bytes(compiled), "device_peak_bytes": device_peak()}
 
 
-def run_decode(model, B: int, ctx: int, args) -> dict:
+def run_decode(model, B: int, ctx: int, impl: str, args) -> dict:
     graphdef, state = nnx.split(model)
     max_len = ctx + args.steps * (args.warmup + args.reps + 1)
     cache = model.init_cache(B, max_len, dtype=jnp.bfloat16)
@@ -136,7 +139,7 @@ def run_decode(model, B: int, ctx: int, args) -> dict:
     layers = tuple(type(layer)(*(jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
                                  for i, x in enumerate(layer))) for layer in cache.layers)
     cache = cache._replace(layers=layers, lengths_B=jnp.full((B,), ctx, jnp.int32))
-    fn = decode_step_fn(graphdef, decode_implementation=args.decode_impl)
+    fn = decode_step_fn(graphdef, decode_implementation=impl)
     tokens = jax.random.randint(jax.random.key(2), (B,), 0, model.cfg.vocab_size)
     compiled = fn.lower(state, tokens, cache).compile()
     box = {"cache": cache}
@@ -167,26 +170,29 @@ def gb(x):
 
 def table(results, windows) -> str:
     lines = []
-    mhsa = {(r["shape"], r["kind"], r["batch"], r.get("T", r.get("context"))): r
-            for r in results if r["variant"] == "MHSA" and "skipped" not in r}
-    lines.append("| shape | variant | kind | batch | T / context | ms | tokens/s | vs MHSA | "
+    def key(r):
+        impl = r["impl"] if r["kind"] == "decode" else ""
+        return r["shape"], r["kind"], impl, r["batch"], r.get("T", r.get("context"))
+
+    mhsa = {key(r): r for r in results if r["variant"] == "MHSA" and "skipped" not in r}
+    lines.append("| shape | variant | kind | impl | batch | T / context | ms | tokens/s | vs MHSA | "
                  "KV cache GiB | compiled GiB | decode GB/s read |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         t = r.get("T", r.get("context"))
         if "skipped" in r:
-            lines.append(f"| {r['shape']} | {r['variant']} | {r['kind']} | {r['batch']} | {t} | "
-                         f"skipped: {r['skipped']} | | | | | |")
+            lines.append(f"| {r['shape']} | {r['variant']} | {r['kind']} | {r['impl']} | "
+                         f"{r['batch']} | {t} | skipped: {r['skipped']} | | | | | |")
             continue
-        base = mhsa.get((r["shape"], r["kind"], r["batch"], t))
+        base = mhsa.get(key(r))
         if r["kind"] == "prefill":
             ms, vs = r["ms"], (f"{1 - r['ms'] / base['ms']:.0%} lower latency" if base and
                                r["variant"] != "MHSA" else "")
         else:
             ms, vs = r["ms_per_step"], (f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"
                                         if base and r["variant"] != "MHSA" else "")
-        lines.append(f"| {r['shape']} | {r['variant']} | {r['kind']} | {r['batch']} | {t} | "
-                     f"{ms:.3f} | {r['tokens_per_s']:,.0f} | {vs} | {gb(r['cache_bytes'])} | "
+        lines.append(f"| {r['shape']} | {r['variant']} | {r['kind']} | {r['impl']} | "
+                     f"{r['batch']} | {t} | {ms:.3f} | {r['tokens_per_s']:,.0f} | {vs} | {gb(r['cache_bytes'])} | "
                      f"{gb(r['compiled_bytes'])} | {r.get('read_gb_per_s', 0):.0f} |")
     return "\n".join(lines)
 
@@ -195,12 +201,14 @@ def check_targets(results, windows) -> list[str]:
     """The issue's targets on the paper shape (or the first shape run)."""
     out = []
     shape = results[0]["shape"] if results else None
-    by = {(r["variant"], r["kind"], r["batch"], r.get("T", r.get("context"))): r
+    by = {(r["variant"], r["kind"], r["impl"] if r["kind"] == "decode" else "", r["batch"],
+           r.get("T", r.get("context"))): r
           for r in results if r["shape"] == shape and "skipped" not in r}
-    for (variant, kind, batch, t), r in sorted(by.items(), key=str):
+    for (variant, kind, impl, batch, t), r in sorted(by.items(), key=str):
         if variant == "MHSA":
             continue
-        base = by.get(("MHSA", kind, batch, t))
+        base = by.get(("MHSA", kind, impl, batch, t))
+        variant = f"{variant} [{impl}]" if impl else variant
         if base is None:
             continue
         if kind == "prefill" and t == 8192:
@@ -213,7 +221,7 @@ def check_targets(results, windows) -> list[str]:
                        f"{'PASS' if x >= 3 else 'MISS'}")
         if kind == "decode":
             H = SHAPES[shape][1]
-            p = int(variant.split("=")[1])
+            p = int(variant.split("=")[1].split()[0])
             T = base["cache_bytes"] / (2 * SHAPES[shape][0] * batch * H * SHAPES[shape][2] * 2)
             want = (1 + (H - 1) * p / T) / H
             got = r["cache_bytes"] / base["cache_bytes"]
@@ -231,8 +239,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--contexts", default="8192,32768")
     parser.add_argument("--decode-batches", default="1,64")
-    parser.add_argument("--decode-impl", default=None,
-                        help="kernels.decode backend (default: xla)")
+    parser.add_argument("--decode-impls", default=None,
+                        help="kernels.decode backends to time, comma-separated (default: "
+                             "xla,pallas_gpu on GPU, xla elsewhere)")
     parser.add_argument("--vocab", type=int, default=10_000)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
@@ -257,6 +266,8 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
     windows = ints(args.windows)
+    decode_impls = (args.decode_impls or ("xla,pallas_gpu" if jax.default_backend() == "gpu"
+                                          else "xla")).split(",")
     max_len = max(ints(args.seq_lens) + [c + args.steps * (args.warmup + args.reps + 1)
                                          for c in ints(args.contexts)])
     budget = args.memory_budget_gib * 2**30
@@ -269,7 +280,8 @@ def main(argv=None) -> int:
             info = {"shape": shape, "variant": v.name, "params": count_params(model)}
             for T in ints(args.seq_lens):
                 for B in ints(args.batches):
-                    row = dict(info, kind="prefill", batch=B, T=T)
+                    row = dict(info, kind="prefill", impl=v.prefill_impl or "default",
+                               batch=B, T=T)
                     if not fits(model, B, T, budget):
                         row["skipped"] = "cache over --memory-budget-gib"
                     else:
@@ -278,13 +290,17 @@ def main(argv=None) -> int:
                     print(json.dumps(row), flush=True)
             for ctx in ints(args.contexts):
                 for B in ints(args.decode_batches):
-                    row = dict(info, kind="decode", batch=B, context=ctx)
-                    if not fits(model, B, ctx, budget):
-                        row["skipped"] = "cache over --memory-budget-gib"
-                    else:
-                        row.update(run_decode(model, B, ctx, args))
-                    results.append(row)
-                    print(json.dumps(row), flush=True)
+                    for impl in decode_impls:
+                        row = dict(info, kind="decode", impl=impl, batch=B, context=ctx)
+                        if not fits(model, B, ctx, budget):
+                            row["skipped"] = "cache over --memory-budget-gib"
+                        else:
+                            try:
+                                row.update(run_decode(model, B, ctx, impl, args))
+                            except Exception as e:  # a backend that fails to lower: say so
+                                row["skipped"] = f"{type(e).__name__}: {str(e)[:200]}"
+                        results.append(row)
+                        print(json.dumps(row), flush=True)
     params = {(r["shape"], r["variant"]): r["params"] for r in results}
     for shape in shapes:
         counts = {params[(s, v)] for (s, v) in params if s == shape}

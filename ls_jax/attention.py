@@ -115,8 +115,9 @@ class LSAttention(nnx.Module):
         cache: this layer's ``LayerCache`` holding ``old_lengths_B`` positions per row.
         positions_BxC: positions of the new tokens (tokens at positions >= new_lengths_B are
           padding: written nowhere that a later query reads).
-        fresh: the cache is empty (the first prefill chunk): the chunk's attention is one
-          ``ls_attention`` call, the full-sequence kernel. Otherwise queries read the cache
+        fresh: the cache is empty and the tokens sit at positions 0 .. C-1 in every row (the
+          first prefill chunk): the chunk's attention is one ``ls_attention`` call, the
+          full-sequence kernel. Otherwise queries read the cache
           through ``kernels.decode.cached_attention``; with C == 1 (a decode step) local heads
           read only their ring buffer.
         Returns (y [B, C, d_model], the updated LayerCache).
@@ -142,8 +143,14 @@ class LSAttention(nnx.Module):
 
         k_glob, v_glob = heads(k_BxCxGxK, layout.global_kv), heads(v_BxCxGxK, layout.global_kv)
         k_loc, v_loc = heads(k_BxCxGxK, layout.local_kv), heads(v_BxCxGxK, layout.local_kv)
-        k_global = write_global(cache.k_global, k_glob, positions_BxC)
-        v_global = write_global(cache.v_global, v_glob, positions_BxC)
+        if fresh and C <= cache.k_global.shape[1]:  # positions 0 .. C-1 in every row
+            k_global = jax.lax.dynamic_update_slice(
+                cache.k_global, k_glob.astype(cache.k_global.dtype), (0, 0, 0, 0))
+            v_global = jax.lax.dynamic_update_slice(
+                cache.v_global, v_glob.astype(cache.v_global.dtype), (0, 0, 0, 0))
+        else:
+            k_global = write_global(cache.k_global, k_glob, positions_BxC)
+            v_global = write_global(cache.v_global, v_glob, positions_BxC)
         k_local, v_local = cache.k_local, cache.v_local
         start_B = positions_BxC[:, 0]
         if layout.local_kv:
@@ -154,6 +161,8 @@ class LSAttention(nnx.Module):
             out_BxCxHxK = ls_attention(q_BxCxHxK, k_BxCxGxK, v_BxCxGxK, self.window_sizes,
                                        implementation=self.implementation)
         else:
+            if C > 1 and decode_implementation == "pallas_gpu":  # that kernel: 1 query per row
+                decode_implementation = "xla"
             q_sorted = heads(q_BxCxHxK, layout.q_order)
             n_qg = len(layout.global_windows)
             q_pos_BxC = jnp.where(positions_BxC < new_lengths_B[:, None], positions_BxC, -1)

@@ -144,7 +144,8 @@ class Transformer(nnx.Module):
         positions_BxC: their positions; tokens at positions >= new_lengths_B are padding.
         new_lengths_B: positions written per row after this call (the cache's lengths_B before
           it are the old ones).
-        fresh: the cache is empty (first prefill chunk; attention via ``ls_attention``).
+        fresh: the cache is empty and positions are 0 .. C-1 in every row (the first
+          prefill chunk; attention via ``ls_attention``).
         logits_index_B: return only the logits of token ``logits_index_B[b]`` of each row
           ([B, vocab]) instead of all of them ([B, C, vocab]).
         Returns (float32 logits, the updated KVCache).

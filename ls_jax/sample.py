@@ -15,30 +15,42 @@ _DTYPES = ("bfloat16", "float32")
 
 
 def load_model(workdir: str, step: int | None = None):
-    """(model, Config, step) of the run in ``workdir``, parameters only."""
+    """(model, Config, step) of the run in ``workdir``: the model's parameters only (orbax
+    partial restore of the saved (model, optimizer) state; the optimizer state stays on disk)."""
+    import jax
+    import jax.numpy as jnp
     import orbax.checkpoint as ocp
     from flax import nnx
 
-    from ls_jax.checkpoint import Checkpointer
+    from ls_jax.checkpoint import CheckpointError, Checkpointer, checkpoint_dir
+    from ls_jax.model import Transformer
     from ls_jax.train import abstract_train_state, load_config
 
     cfg = load_config(workdir)
-    graphdef, abstract = abstract_train_state(cfg)
-    # state = (model, optimizer): keep the model's parameters, skip everything else
-    params_only = nnx.State({0: abstract[0], 1: jax_tree_placeholder(abstract[1], ocp)})
-    ckpt = Checkpointer(workdir, create=False)
+    ckpt = Checkpointer(workdir, create=False)  # a clear error when the directory is missing
+    steps = ckpt.all_steps()
+    ckpt.close()
+    if not steps:
+        raise CheckpointError(f"checkpoint: no finished checkpoint in {checkpoint_dir(workdir)}")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise CheckpointError(f"--step: expected one of {steps}, got {step}")
+    _, abstract = abstract_train_state(cfg)
+    item = {0: abstract[0]}  # state = (model, optimizer): key 0 is the model
+    manager = ocp.CheckpointManager(checkpoint_dir(workdir),
+                                    options=ocp.CheckpointManagerOptions(create=False))
     try:
-        step, state = ckpt.restore(step, params_only)
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True)))
+    except Exception as e:  # orbax raises many types for damaged directories
+        raise CheckpointError(f"checkpoint: step {step} in {checkpoint_dir(workdir)} could not "
+                              f"be restored: {type(e).__name__}: {e}") from e
     finally:
-        ckpt.close()
-    model_state = state[0]
-    model = nnx.merge(graphdef, nnx.State({0: model_state, 1: abstract[1]}))[0]
+        manager.close()
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, restored["state"][0]))
     return model, cfg, step
-
-
-def jax_tree_placeholder(tree, ocp):
-    import jax
-    return jax.tree.map(lambda _: ocp.PLACEHOLDER, tree)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,12 +80,16 @@ def test_reference_and_xla_decode_backends_agree_in_model():
     np.testing.assert_allclose(ref, xla, atol=2e-5, rtol=2e-5)
 
 
-def naive_greedy(model, prompt, n):
-    """Greedy decoding by re-running the full forward pass on the growing sequence."""
+def naive_greedy(model, prompt, n, width=32):
+    """Greedy decoding without a cache: the full forward pass over the growing sequence
+    (zero-padded to ``width``; causal attention keeps the padding out of earlier rows)."""
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
     seq = list(prompt)
     for _ in range(n):
-        logits = model(jnp.asarray([seq], jnp.int32))
-        seq.append(int(jnp.argmax(logits[0, -1])))
+        buf = np.zeros((1, width), np.int32)
+        buf[0, :len(seq)] = seq
+        seq.append(int(jnp.argmax(forward(state, jnp.asarray(buf))[0, len(seq) - 1])))
     return seq[len(prompt):]
 
 
@@ -97,7 +101,8 @@ def test_batch_of_unequal_prompts_equals_each_alone_and_no_cache(pos):
     batch = generate(model, prompts, max_new_tokens=9, chunk_size=4, cache_dtype=jnp.float32)
     assert batch.steps == 9 and batch.prompt_lengths == [5, 11, 8]
     for p, row in zip(prompts, batch.tokens):
-        alone = generate(model, p, max_new_tokens=9, chunk_size=64, cache_dtype=jnp.float32)
+        alone = generate(model, p, max_new_tokens=9, chunk_size=4, max_len=24,
+                         cache_dtype=jnp.float32)
         np.testing.assert_array_equal(row, alone.tokens[0])
         np.testing.assert_array_equal(row, naive_greedy(model, p, 9))
 
@@ -217,4 +222,13 @@ def test_rope_generates_past_the_trained_length():
     model = tiny_model(pos_embedding="rope", max_seq_len=16)
     out = generate(model, list(range(1, 10)), max_new_tokens=20, cache_dtype=jnp.float32)
     assert len(out.tokens[0]) == 20
-    np.testing.assert_array_equal(out.tokens[0], naive_greedy(model, list(range(1, 10)), 20))
+    np.testing.assert_array_equal(out.tokens[0],
+                                  naive_greedy(model, list(range(1, 10)), 20, width=29))
+
+
+@pytest.mark.gpu
+def test_cached_logits_with_the_pallas_gpu_decode_kernel():
+    model = tiny_model(pos_embedding="rope", n_kv_head=2, head_dim=16)
+    tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, 32)
+    got, _ = cached_logits(model, tokens, 7, 64, decode_implementation="pallas_gpu")
+    np.testing.assert_allclose(got, model(tokens), atol=2e-3, rtol=2e-3)

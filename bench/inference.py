@@ -253,8 +253,8 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check)")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.shapes, args.windows, args.seq_lens, args.batches = "smoke", "4,8", "32", "1,2"
-        args.contexts, args.decode_batches, args.vocab = "32", "1,3", 64
+        args.shapes, args.windows, args.seq_lens, args.batches = "smoke", "4", "32", "2"
+        args.contexts, args.decode_batches, args.vocab = "32", "3", 64
         args.warmup, args.reps, args.steps = 1, 2, 2
     elif args.quick:
         args.shapes, args.seq_lens, args.contexts = "paper", "8192", "8192"

@@ -4,6 +4,7 @@ exit 2. Also the inference benchmark's --smoke mode on CPU."""
 import json
 import os
 import shutil
+import sys
 
 import pytest
 
@@ -61,15 +62,19 @@ def test_cli_bad_input_one_line_exit_2(run_dir, tmp_path, capsys, case):
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and expect in err, err
 
 
-def test_inference_bench_smoke(tmp_path, capsys):
-    from importlib.machinery import SourceFileLoader
+def test_inference_bench_smoke(tmp_path, capsys, monkeypatch):
+    import importlib.util
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    bench = SourceFileLoader("bench_inference", os.path.join(root, "bench", "inference.py")).load_module()
+    spec = importlib.util.spec_from_file_location(
+        "bench_inference", os.path.join(root, "bench", "inference.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
     out = tmp_path / "inf.json"
     assert bench.main(["--smoke", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     rows = [r for r in data["results"] if "skipped" not in r]
-    assert {r["variant"] for r in rows} == {"LS p=4", "LS p=8", "MHSA"}
+    assert {r["variant"] for r in rows} == {"LS p=4", "MHSA"}
     assert {r["kind"] for r in rows} == {"prefill", "decode"}
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert any("cache bytes" in t and t.endswith("PASS") for t in data["targets"])

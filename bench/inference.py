@@ -133,12 +133,14 @@ def run_prefill(model, B: int, T: int, args) -> dict:
 def run_decode(model, B: int, ctx: int, impl: str, args) -> dict:
     graphdef, state = nnx.split(model)
     max_len = ctx + args.steps * (args.warmup + args.reps + 1)
-    cache = model.init_cache(B, max_len, dtype=jnp.bfloat16)
-    # a full context: random keys/values (content does not change the work), ctx positions
+    # a full context: random keys/values (content does not change the work), ctx positions;
+    # made from the cache's shapes so that no second, zero-filled cache is ever allocated
+    shapes = jax.eval_shape(lambda: model.init_cache(B, max_len, dtype=jnp.bfloat16))
     key = jax.random.key(1)
-    layers = tuple(type(layer)(*(jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
-                                 for i, x in enumerate(layer))) for layer in cache.layers)
-    cache = cache._replace(layers=layers, lengths_B=jnp.full((B,), ctx, jnp.int32))
+    layers = tuple(type(layer)(*(jax.random.normal(jax.random.fold_in(key, 4 * l + i), x.shape,
+                                                    x.dtype) for i, x in enumerate(layer)))
+                   for l, layer in enumerate(shapes.layers))
+    cache = shapes._replace(layers=layers, lengths_B=jnp.full((B,), ctx, jnp.int32))
     fn = decode_step_fn(graphdef, decode_implementation=impl)
     tokens = jax.random.randint(jax.random.key(2), (B,), 0, model.cfg.vocab_size)
     compiled = fn.lower(state, tokens, cache).compile()

@@ -8,15 +8,17 @@ PYTHON ?= $(shell for p in python3.12 python3.13 python3 /root/.pyenv/versions/3
 CONFIG ?= tiny
 WORKDIR ?= runs/$(CONFIG)
 ARGS ?=
+PROMPT ?= def main(
 TEST_WORKERS ?= 2
 # On accelerators: JAX_EXTRA=cuda13 (NVIDIA GPUs) or JAX_EXTRA=tpu (TPU VMs) adds jax[...]
 JAX_EXTRA ?=
 
-.PHONY: venv train eval test test-fast bench clean help
+.PHONY: venv train eval sample test test-fast bench clean help
 
 help:
 	@echo "make train   - set up .venv and train the '$(CONFIG)' config into $(WORKDIR) (resumes if present)"
 	@echo "make eval    - evaluate the latest checkpoint in $(WORKDIR)"
+	@echo "make sample  - generate text from the latest checkpoint in $(WORKDIR) after PROMPT"
 	@echo "make test    - set up .venv and run the test suite (CPU)"
 	@echo "make bench   - attention benchmark (needs an NVIDIA GPU)"
 
@@ -36,6 +38,9 @@ train: venv
 
 eval: venv
 	$(PY) eval.py --checkpoint $(WORKDIR) $(ARGS)
+
+sample: venv
+	$(PY) -m ls_jax.sample --checkpoint $(WORKDIR) --prompt "$(PROMPT)" $(ARGS)
 
 test: venv
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests $(ARGS)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # The validated form of a window list (``kernels.api.normalize_window_sizes``): one entry per
 # query head, an int >= 1 for a local head, None for a global one.
@@ -50,6 +51,12 @@ def effective_window(window: int | None, seq_len: int) -> int:
 def effective_windows(window_sizes: WindowSizes, seq_len: int) -> tuple[int, ...]:
     """``effective_window`` of every head (pass the padded length inside a padded kernel)."""
     return tuple(effective_window(p, seq_len) for p in window_sizes)
+
+
+def window_array(window_sizes: WindowSizes) -> np.ndarray:
+    """int32 [H]: each head's window for kernels that compare positions at run time (the decode
+    kernels); a global head gets int32 max, i.e. it sees every earlier position."""
+    return np.array(effective_windows(window_sizes, np.iinfo(np.int32).max), np.int32)
 
 
 def is_global(window: int | None, seq_len: int) -> bool:

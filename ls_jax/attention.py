@@ -15,6 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ls_jax.kernels import ls_attention, normalize_window_sizes
+from ls_jax.kernels.decode import cached_attention
+from ls_jax.kv_cache import (CacheLayout, LayerCache, global_positions, ring_positions,
+                             update_ring, write_global)
 from ls_jax.rope import apply_rope
 
 
@@ -99,3 +102,88 @@ class LSAttention(nnx.Module):
         if return_logit_stats:
             return y_BxTxM, result[1].max_abs_logit
         return y_BxTxM
+
+    # -- decoding with a KV cache (ls_jax/kv_cache.py, ls_jax/generate.py) ----------------------
+
+    def cache_layout(self, max_len: int):
+        """This layer's split into the global cache and the ring buffer (``CacheLayout``)."""
+        return CacheLayout.build(self.window_sizes, self.n_head, self.n_kv_head, max_len)
+
+    def attend_cached(self, x_BxCxM: jax.Array, cache, *, positions_BxC: jax.Array,
+                      old_lengths_B: jax.Array, new_lengths_B: jax.Array, fresh: bool,
+                      decode_implementation: str | None = None):
+        """Attention of C new tokens per row that also writes them into ``cache``.
+
+        cache: this layer's ``LayerCache`` holding ``old_lengths_B`` positions per row.
+        positions_BxC: positions of the new tokens (tokens at positions >= new_lengths_B are
+          padding: written nowhere that a later query reads).
+        fresh: the cache is empty and the tokens sit at positions 0 .. C-1 in every row (the
+          first prefill chunk): the chunk's attention is one ``ls_attention`` call, the
+          full-sequence kernel. Otherwise queries read the cache
+          through ``kernels.decode.cached_attention``; with C == 1 (a decode step) local heads
+          read only their ring buffer.
+        Returns (y [B, C, d_model], the updated LayerCache).
+        """
+
+        B, C, _ = x_BxCxM.shape
+        layout = self.cache_layout(cache.k_global.shape[1])
+        q_BxCxHxD = self.q_proj(x_BxCxM).reshape(B, C, self.n_head, self.head_dim)
+        k_BxCxGxD = self.k_proj(x_BxCxM).reshape(B, C, self.n_kv_head, self.head_dim)
+        v_BxCxGxD = self.v_proj(x_BxCxM).reshape(B, C, self.n_kv_head, self.head_dim)
+        if self.q_norm is not None:
+            q_BxCxHxD = self.q_norm(q_BxCxHxD).astype(self.dtype)
+            k_BxCxGxD = self.k_norm(k_BxCxGxD).astype(self.dtype)
+        if self.rope_theta is not None:
+            q_BxCxHxD = apply_rope(q_BxCxHxD, positions_BxC, self.rope_theta)
+            k_BxCxGxD = apply_rope(k_BxCxGxD, positions_BxC, self.rope_theta)
+
+        def heads(x, idx):
+            return jnp.take(x, jnp.asarray(idx, jnp.int32), axis=2)
+
+        k_glob, v_glob = heads(k_BxCxGxD, layout.global_kv), heads(v_BxCxGxD, layout.global_kv)
+        k_loc, v_loc = heads(k_BxCxGxD, layout.local_kv), heads(v_BxCxGxD, layout.local_kv)
+        if fresh and C <= cache.k_global.shape[1]:  # positions 0 .. C-1 in every row
+            k_global = jax.lax.dynamic_update_slice(
+                cache.k_global, k_glob.astype(cache.k_global.dtype), (0, 0, 0, 0))
+            v_global = jax.lax.dynamic_update_slice(
+                cache.v_global, v_glob.astype(cache.v_global.dtype), (0, 0, 0, 0))
+        else:
+            k_global = write_global(cache.k_global, k_glob, positions_BxC)
+            v_global = write_global(cache.v_global, v_glob, positions_BxC)
+        k_local, v_local = cache.k_local, cache.v_local
+        start_B = positions_BxC[:, 0]
+        if layout.local_kv:
+            k_local = update_ring(cache.k_local, k_loc, old_lengths_B, new_lengths_B, start_B)
+            v_local = update_ring(cache.v_local, v_loc, old_lengths_B, new_lengths_B, start_B)
+
+        if fresh:
+            out_BxCxHxD = ls_attention(q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, self.window_sizes,
+                                       implementation=self.implementation)
+        else:
+            if C > 1 and decode_implementation == "pallas_gpu":  # that kernel: 1 query per row
+                decode_implementation = "xla"
+            q_sorted = heads(q_BxCxHxD, layout.q_order)
+            n_qg = len(layout.global_windows)
+            q_pos_BxC = jnp.where(positions_BxC < new_lengths_B[:, None], positions_BxC, -1)
+            parts = []
+            if layout.global_kv:
+                parts.append(cached_attention(
+                    q_sorted[:, :, :n_qg], k_global, v_global, q_pos_BxC,
+                    global_positions(new_lengths_B, k_global.shape[1]), layout.global_windows,
+                    implementation=decode_implementation))
+            if layout.local_kv:
+                P = layout.ring_size
+                if C == 1:  # a decode step: the updated ring holds every key in the window
+                    k_read, v_read = k_local, v_local
+                    k_pos = ring_positions(new_lengths_B, P)
+                else:  # a prefill chunk: the old ring, then the chunk's own keys
+                    k_read = jnp.concatenate([cache.k_local, k_loc.astype(k_local.dtype)], 1)
+                    v_read = jnp.concatenate([cache.v_local, v_loc.astype(v_local.dtype)], 1)
+                    k_pos = jnp.concatenate([ring_positions(old_lengths_B, P), q_pos_BxC], 1)
+                parts.append(cached_attention(
+                    q_sorted[:, :, n_qg:], k_read, v_read, q_pos_BxC, k_pos,
+                    layout.local_windows, implementation=decode_implementation))
+            out_sorted = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+            out_BxCxHxD = heads(out_sorted, layout.q_inverse).astype(q_BxCxHxD.dtype)
+        y_BxCxM = self.o_proj(out_BxCxHxD.reshape(B, C, self.n_head * self.head_dim))
+        return y_BxCxM, LayerCache(k_global, v_global, k_local, v_local)

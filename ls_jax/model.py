@@ -10,6 +10,7 @@ from flax import nnx
 
 from ls_jax.attention import LSAttention
 from ls_jax.config import ModelConfig
+from ls_jax.kv_cache import KVCache, init_cache
 
 
 def _dtype(name: str):
@@ -60,6 +61,15 @@ class Block(nnx.Module):
         if return_logit_stats:
             return x_BxTxM, max_abs_logit_H
         return x_BxTxM
+
+    def decode(self, x_BxCxD, cache, **kw):
+        """Like ``__call__`` for C new tokens per row, reading and writing this layer's KV cache
+        (see ``LSAttention.attend_cached``). Returns (x, the updated LayerCache)."""
+        h_BxCxD, cache = self.attn.attend_cached(
+            self.ln1(x_BxCxD).astype(self.compute_dtype), cache, **kw)
+        x_BxCxD = x_BxCxD + h_BxCxD
+        x_BxCxD = x_BxCxD + self.mlp(self.ln2(x_BxCxD).astype(self.compute_dtype))
+        return x_BxCxD, cache
 
 
 class Transformer(nnx.Module):
@@ -123,6 +133,56 @@ class Transformer(nnx.Module):
             "lm_head_max_abs_logit": jax.lax.stop_gradient(jnp.max(jnp.abs(logits_BxTxV))),
         }
         return logits_BxTxV, stats
+
+    # -- decoding with a KV cache (ls_jax/generate.py) ---------------------------------------
+
+    def cache_layouts(self, max_len: int):
+        """The ``CacheLayout`` of every layer for a cache of ``max_len`` positions."""
+        return tuple(block.attn.cache_layout(max_len) for block in self.blocks)
+
+    def init_cache(self, batch_size: int, max_len: int, dtype=jnp.bfloat16):
+        """An empty ``KVCache`` for ``batch_size`` rows of up to ``max_len`` positions."""
+        return init_cache(self.cache_layouts(max_len), batch_size, max_len, self.cfg.head_dim,
+                          dtype)
+
+    def decode(self, tokens_BxC: jax.Array, cache, *, positions_BxC: jax.Array,
+               new_lengths_B: jax.Array, fresh: bool = False,
+               logits_index_B: jax.Array | None = None,
+               decode_implementation: str | None = None):
+        """Runs C new tokens per row through the model with the KV cache.
+
+        positions_BxC: their positions; tokens at positions >= new_lengths_B are padding.
+        new_lengths_B: positions written per row after this call (the cache's lengths_B before
+          it are the old ones).
+        fresh: the cache is empty and positions are 0 .. C-1 in every row (the first
+          prefill chunk; attention via ``ls_attention``).
+        logits_index_B: return only the logits of token ``logits_index_B[b]`` of each row
+          ([B, vocab]) instead of all of them ([B, C, vocab]).
+        Returns (float32 logits, the updated KVCache).
+        """
+        cfg = self.cfg
+        x_BxCxD = self.embed(tokens_BxC).astype(jnp.float32)
+        if self.pos_embed is not None:  # padding may sit past the table: clamp (never read)
+            table_BxC = jnp.minimum(positions_BxC, cfg.max_seq_len - 1)
+            x_BxCxD = x_BxCxD + self.pos_embed(table_BxC).astype(jnp.float32)
+        layers = []
+        for block, layer_cache in zip(self.blocks, cache.layers):
+            x_BxCxD, layer_cache = block.decode(
+                x_BxCxD, layer_cache, positions_BxC=positions_BxC, old_lengths_B=cache.lengths_B,
+                new_lengths_B=new_lengths_B, fresh=fresh,
+                decode_implementation=decode_implementation)
+            layers.append(layer_cache)
+        if logits_index_B is not None:
+            x_BxCxD = jnp.take_along_axis(x_BxCxD, logits_index_B[:, None, None], axis=1)
+        h_BxCxD = self.ln_f(x_BxCxD).astype(_dtype(cfg.compute_dtype))
+        if self.lm_head is None:
+            logits = self.embed.attend(h_BxCxD)
+        else:
+            logits = self.lm_head(h_BxCxD)
+        logits = logits.astype(jnp.float32)
+        if logits_index_B is not None:
+            logits = logits[:, 0]
+        return logits, KVCache(tuple(layers), new_lengths_B.astype(jnp.int32))
 
 
 def count_params(model: nnx.Module) -> int:

@@ -1,0 +1,325 @@
+"""Inference benchmark: LS-attention vs the same model with every head global (MHSA).
+
+Same card, same run, random bf16 weights (latency does not depend on them), equal parameter
+counts (the windows change no weight). Per model shape:
+
+  LS p=50, LS p=128   1 global + (H-1) local heads; prefill through ls_attention's default
+                      backend (pallas_gpu on GPU), decode through kernels.decode
+  MHSA                every head global; prefill through implementation="cudnn", decode through
+                      the same decode path with full-length caches
+
+Measured:
+  prefill   latency of one prompt chunk of T tokens (the whole prompt; cache writes and the
+            last token's logits included), T in --seq-lens, batch in --batches
+  decode    tokens/s of the jitted decode step (one new token per row) with --contexts tokens
+            already in the cache, batch in --decode-batches
+  memory    KV-cache bytes as allocated (KVCache.nbytes) and the compiled function's memory
+            (arguments + outputs + temporaries - aliased, from XLA's memory analysis)
+
+Timing: do_bench style, ``--warmup`` calls, then the median of ``--reps`` samples, each
+sample ``jax.block_until_ready`` of the call (decode: of ``--steps`` back-to-back steps).
+Prints the table last and writes JSON to ``--out``.
+
+  python bench/inference.py --out inference.json                 # full run, one GPU (~5 min)
+  python bench/inference.py --quick --out inference.json         # paper shape, T=8192 only
+  JAX_PLATFORMS=cpu python bench/inference.py --smoke --out /tmp/x.json   # tiny, CPU check
+
+Decode backends: --decode-impls (default xla,pallas_gpu on GPU); a backend that fails is
+recorded as a skipped row, not a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ls_jax.config import ModelConfig
+from ls_jax.generate import decode_step_fn, prefill_chunk_fn
+from ls_jax.model import Transformer, count_params
+
+SHAPES = {  # name: (n_layer, n_head, head_dim, d_model)
+    "paper": (6, 6, 32, 192),
+    "wide": (12, 12, 64, 768),
+    "smoke": (2, 4, 16, 64),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    n_global: int | None  # None: all heads
+    window: int
+    prefill_impl: str | None
+
+
+def variants(windows) -> list[Variant]:
+    on_gpu = jax.default_backend() == "gpu"
+    out = [Variant(f"LS p={p}", 1, p, None) for p in windows]
+    out.append(Variant("MHSA", None, max(windows), "cudnn" if on_gpu else None))
+    return out
+
+
+def make_model(shape: str, v: Variant, max_len: int, vocab: int, dtype: str) -> Transformer:
+    L, H, D, d = SHAPES[shape]
+    cfg = ModelConfig(vocab_size=vocab, n_layer=L, d_model=d, n_head=H, head_dim=D,
+                      n_global_heads=H if v.n_global is None else v.n_global, window=v.window,
+                      max_seq_len=max_len, param_dtype=dtype, compute_dtype=dtype,
+                      attn_implementation=v.prefill_impl)
+    return Transformer(cfg, rngs=nnx.Rngs(params=0))
+
+
+def bench(fn, warmup: int, reps: int) -> float:
+    """Median seconds of ``fn()`` (which blocks) over reps, after warmup calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def compiled_bytes(compiled) -> int | None:
+    try:
+        m = compiled.memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                   - m.alias_size_in_bytes)
+    except Exception:  # not every backend reports it
+        return None
+
+
+def device_peak() -> int | None:
+    try:
+        return int(jax.devices()[0].memory_stats()["peak_bytes_in_use"])
+    except Exception:
+        return None
+
+
+def run_prefill(model, B: int, T: int, args) -> dict:
+    graphdef, state = nnx.split(model)
+    cache = model.init_cache(B, T, dtype=jnp.bfloat16)
+    fn = prefill_chunk_fn(graphdef, fresh=True, decode_implementation=None)
+    tokens = jax.random.randint(jax.random.key(0), (B, T), 0, model.cfg.vocab_size)
+    lengths = jnp.full((B,), T, jnp.int32)
+    logits = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
+    compiled = fn.lower(state, tokens, cache, jnp.int32(0), lengths, logits).compile()
+    box = {"cache": cache}
+
+    def call():
+        out, box["cache"] = compiled(state, tokens, box["cache"], jnp.int32(0), lengths, logits)
+        jax.block_until_ready(out)
+
+    sec = bench(call, args.warmup, args.reps)
+    return {"kind": "prefill", "batch": B, "T": T, "ms": sec * 1e3,
+            "tokens_per_s": B * T / sec, "cache_bytes": box["cache"].nbytes(),
+            "compiled_bytes": compiled_bytes(compiled), "device_peak_bytes": device_peak()}
+
+
+def run_decode(model, B: int, ctx: int, impl: str, args) -> dict:
+    graphdef, state = nnx.split(model)
+    max_len = ctx + args.steps * (args.warmup + args.reps + 1)
+    # a full context: random keys/values (content does not change the work), ctx positions;
+    # made from the cache's shapes so that no second, zero-filled cache is ever allocated
+    shapes = jax.eval_shape(lambda: model.init_cache(B, max_len, dtype=jnp.bfloat16))
+    key = jax.random.key(1)
+    layers = tuple(type(layer)(*(jax.random.normal(jax.random.fold_in(key, 4 * l + i), x.shape,
+                                                    x.dtype) for i, x in enumerate(layer)))
+                   for l, layer in enumerate(shapes.layers))
+    cache = shapes._replace(layers=layers, lengths_B=jnp.full((B,), ctx, jnp.int32))
+    fn = decode_step_fn(graphdef, decode_implementation=impl)
+    tokens = jax.random.randint(jax.random.key(2), (B,), 0, model.cfg.vocab_size)
+    compiled = fn.lower(state, tokens, cache).compile()
+    box = {"cache": cache}
+
+    def call():
+        for _ in range(args.steps):
+            logits, box["cache"] = compiled(state, tokens, box["cache"])
+        jax.block_until_ready(logits)
+
+    sec = bench(call, args.warmup, args.reps) / args.steps
+    # what one step must read at least: every cache slot (as allocated) and every weight
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    read = box["cache"].nbytes() + weight_bytes
+    return {"kind": "decode", "batch": B, "context": ctx, "ms_per_step": sec * 1e3,
+            "tokens_per_s": B / sec, "bytes_read_per_step": read, "read_gb_per_s": read / sec / 1e9,
+            "cache_bytes": box["cache"].nbytes(),
+            "compiled_bytes": compiled_bytes(compiled), "device_peak_bytes": device_peak()}
+
+
+def fits(model, B, T, budget_bytes) -> bool:
+    L, H, D = model.cfg.n_layer, model.cfg.n_head, model.cfg.head_dim
+    return 2 * L * B * T * H * D * 2 <= budget_bytes  # the MHSA-sized cache, bf16
+
+
+def gb(x):
+    return "-" if x is None else f"{x / 2**30:.3f}"
+
+
+def table(results, windows) -> str:
+    lines = []
+    def key(r):
+        impl = r["impl"] if r["kind"] == "decode" else ""
+        return r["shape"], r["kind"], impl, r["batch"], r.get("T", r.get("context"))
+
+    mhsa = {key(r): r for r in results if r["variant"] == "MHSA" and "skipped" not in r}
+    lines.append("| shape | variant | kind | impl | batch | T / context | ms | tokens/s | vs MHSA | "
+                 "KV cache GiB | compiled GiB | decode GB/s read |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        t = r.get("T", r.get("context"))
+        if "skipped" in r:
+            lines.append(f"| {r['shape']} | {r['variant']} | {r['kind']} | {r['impl']} | "
+                         f"{r['batch']} | {t} | skipped: {r['skipped']} | | | | | |")
+            continue
+        base = mhsa.get(key(r))
+        if r["kind"] == "prefill":
+            ms, vs = r["ms"], (f"{1 - r['ms'] / base['ms']:.0%} lower latency" if base and
+                               r["variant"] != "MHSA" else "")
+        else:
+            ms, vs = r["ms_per_step"], (f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"
+                                        if base and r["variant"] != "MHSA" else "")
+        lines.append(f"| {r['shape']} | {r['variant']} | {r['kind']} | {r['impl']} | "
+                     f"{r['batch']} | {t} | {ms:.3f} | {r['tokens_per_s']:,.0f} | {vs} | {gb(r['cache_bytes'])} | "
+                     f"{gb(r['compiled_bytes'])} | {r.get('read_gb_per_s', 0):.0f} |")
+    return "\n".join(lines)
+
+
+def check_targets(results, windows) -> list[str]:
+    """The issue's targets on the paper shape (or the first shape run)."""
+    out = []
+    shape = results[0]["shape"] if results else None
+    by = {(r["variant"], r["kind"], r["impl"] if r["kind"] == "decode" else "", r["batch"],
+           r.get("T", r.get("context"))): r
+          for r in results if r["shape"] == shape and "skipped" not in r}
+    for (variant, kind, impl, batch, t), r in sorted(by.items(), key=str):
+        if variant == "MHSA":
+            continue
+        base = by.get(("MHSA", kind, impl, batch, t))
+        variant = f"{variant} [{impl}]" if impl else variant
+        if base is None:
+            continue
+        if kind == "prefill" and t == 8192:
+            red = 1 - r["ms"] / base["ms"]
+            out.append(f"prefill T=8192 B={batch} {variant}: latency -{red:.0%} vs MHSA "
+                       f"(target >= 50%): {'PASS' if red >= 0.5 else 'MISS'}")
+        if kind == "decode" and batch == 64 and t == 8192:
+            x = r["tokens_per_s"] / base["tokens_per_s"]
+            out.append(f"decode B=64 ctx=8192 {variant}: {x:.2f}x MHSA tokens/s (target >= 3x): "
+                       f"{'PASS' if x >= 3 else 'MISS'}")
+        if kind == "decode":
+            H = SHAPES[shape][1]
+            p = int(variant.split("=")[1].split()[0])
+            T = base["cache_bytes"] / (2 * SHAPES[shape][0] * batch * H * SHAPES[shape][2] * 2)
+            want = (1 + (H - 1) * p / T) / H
+            got = r["cache_bytes"] / base["cache_bytes"]
+            out.append(f"cache bytes B={batch} ctx={t} {variant}: {got:.5f} of MHSA, formula "
+                       f"(1+(H-1)p/T)/H = {want:.5f}: {'PASS' if abs(got - want) < 1e-12 else 'MISS'}")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="JSON output path")
+    parser.add_argument("--shapes", default="paper,wide")
+    parser.add_argument("--windows", default="50,128")
+    parser.add_argument("--seq-lens", default="2048,8192,32768")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--contexts", default="8192,32768")
+    parser.add_argument("--decode-batches", default="1,64")
+    parser.add_argument("--decode-impls", default=None,
+                        help="kernels.decode backends to time, comma-separated (default: "
+                             "xla,pallas_gpu on GPU, xla elsewhere)")
+    parser.add_argument("--vocab", type=int, default=10_000)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per sample")
+    parser.add_argument("--memory-budget-gib", type=float, default=40.0,
+                        help="skip cases whose MHSA cache would exceed this")
+    parser.add_argument("--quick", action="store_true",
+                        help="paper shape, T=8192 prefill, 8192-token context decode")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.shapes, args.windows, args.seq_lens, args.batches = "smoke", "4", "32", "2"
+        args.contexts, args.decode_batches, args.vocab = "32", "3", 64
+        args.warmup, args.reps, args.steps = 1, 2, 2
+    elif args.quick:
+        args.shapes, args.seq_lens, args.contexts = "paper", "8192", "8192"
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    shapes = [s for s in args.shapes.split(",") if s]
+    for s in shapes:
+        if s not in SHAPES:
+            print(f"error: --shapes: expected names from {sorted(SHAPES)}, got {s!r}",
+                  file=sys.stderr)
+            return 2
+    windows = ints(args.windows)
+    decode_impls = (args.decode_impls or ("xla,pallas_gpu" if jax.default_backend() == "gpu"
+                                          else "xla")).split(",")
+    max_len = max(ints(args.seq_lens) + [c + args.steps * (args.warmup + args.reps + 1)
+                                         for c in ints(args.contexts)])
+    budget = args.memory_budget_gib * 2**30
+    results = []
+    dtype = "bfloat16"
+    t_start = time.perf_counter()
+    for shape in shapes:
+        for v in variants(windows):
+            model = make_model(shape, v, max_len, args.vocab, dtype)
+            info = {"shape": shape, "variant": v.name, "params": count_params(model)}
+            for T in ints(args.seq_lens):
+                for B in ints(args.batches):
+                    row = dict(info, kind="prefill", impl=v.prefill_impl or "default",
+                               batch=B, T=T)
+                    if not fits(model, B, T, budget):
+                        row["skipped"] = "cache over --memory-budget-gib"
+                    else:
+                        row.update(run_prefill(model, B, T, args))
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
+            for ctx in ints(args.contexts):
+                for B in ints(args.decode_batches):
+                    for impl in decode_impls:
+                        row = dict(info, kind="decode", impl=impl, batch=B, context=ctx)
+                        if not fits(model, B, ctx, budget):
+                            row["skipped"] = "cache over --memory-budget-gib"
+                        else:
+                            try:
+                                row.update(run_decode(model, B, ctx, impl, args))
+                            except Exception as e:  # a backend that fails to lower: say so
+                                row["skipped"] = f"{type(e).__name__}: {str(e)[:200]}"
+                        results.append(row)
+                        print(json.dumps(row), flush=True)
+    params = {(r["shape"], r["variant"]): r["params"] for r in results}
+    for shape in shapes:
+        counts = {params[(s, v)] for (s, v) in params if s == shape}
+        assert len(counts) == 1, f"parameter counts differ for {shape}: {counts}"
+    targets = check_targets(results, windows)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+            "jax": jax.__version__, "args": vars(args),
+            "seconds": time.perf_counter() - t_start}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "results": results, "targets": targets}, f, indent=2)
+    print(f"\n{meta['device']} ({meta['backend']}), {meta['seconds']:.0f} s, written to {args.out}")
+    for line in targets:
+        print(line)
+    print(table(results, windows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

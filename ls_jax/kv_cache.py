@@ -1,0 +1,139 @@
+"""The key/value cache of LS-attention decoding: full history for global heads, a ring buffer
+of exactly the window for local heads.
+
+Which kv heads are global. Query head h reads kv head h // (Hq // Hkv) (GQA). A kv head is
+*global* when at least one of its query heads is global (window None); it keeps the whole
+history, ``[B, T_max, n_global_kv, D]``, slot s = position s. Its local query heads (a layout
+such as 1 global head with GQA groups of 2) read it through their window mask. A kv head all
+of whose query heads are local is *local*; it keeps a ring buffer of ``P = min(max window of
+its query heads, T_max)`` slots, ``[B, P, n_local_kv, D]``: slot s holds the latest position
+congruent to s mod P. A window of p keys includes the current one, so P = p slots suffice.
+
+Per row the cache records ``lengths_B``: the number of positions written (the next position
+is ``lengths_B[b]``). Slot positions follow from it (``global_positions``,
+``ring_positions``); slots not yet written have position -1. Shapes are static; the cache is
+a pytree of arrays (``KVCache`` of per-layer ``LayerCache``), bf16 unless asked otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ls_jax.kernels import normalize_window_sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    """Static split of one layer's heads into the global cache and the ring buffer.
+
+    global_kv / local_kv: kv head indices of each group (in order).
+    q_order: query heads sorted by group: those of global kv heads, then those of local ones
+      (within a group the r = Hq // Hkv query heads of one kv head stay together, so the group
+      is itself a GQA layout).
+    global_windows / local_windows: the windows of those query heads, in q_order.
+    ring_size: P, slots of the ring buffer (0 without local kv heads).
+    """
+
+    n_head: int
+    n_kv_head: int
+    global_kv: tuple[int, ...]
+    local_kv: tuple[int, ...]
+    q_order: tuple[int, ...]
+    global_windows: tuple[int | None, ...]
+    local_windows: tuple[int, ...]
+    ring_size: int
+
+    @classmethod
+    def build(cls, window_sizes, n_head: int, n_kv_head: int, max_len: int) -> "CacheLayout":
+        windows = normalize_window_sizes(window_sizes, n_head)
+        if n_kv_head < 1 or n_head % n_kv_head:
+            raise ValueError(f"n_kv_head: expected a divisor of n_head={n_head}, got {n_kv_head}")
+        r = n_head // n_kv_head
+        heads_of = [tuple(range(g * r, (g + 1) * r)) for g in range(n_kv_head)]
+        global_kv = tuple(g for g in range(n_kv_head)
+                          if any(windows[h] is None for h in heads_of[g]))
+        local_kv = tuple(g for g in range(n_kv_head) if g not in global_kv)
+        q_global = tuple(h for g in global_kv for h in heads_of[g])
+        q_local = tuple(h for g in local_kv for h in heads_of[g])
+        ring = min(max(windows[h] for h in q_local), max_len) if q_local else 0
+        return cls(n_head, n_kv_head, global_kv, local_kv, q_global + q_local,
+                   tuple(windows[h] for h in q_global), tuple(windows[h] for h in q_local), ring)
+
+    @property
+    def q_inverse(self) -> tuple[int, ...]:
+        """Permutation taking q_order back to head order."""
+        return tuple(int(i) for i in np.argsort(np.array(self.q_order)))
+
+
+class LayerCache(NamedTuple):
+    """One layer: k/v of the global kv heads [B, T_max, Gg, D] and the ring [B, P, Gl, D]."""
+
+    k_global: jax.Array
+    v_global: jax.Array
+    k_local: jax.Array
+    v_local: jax.Array
+
+
+class KVCache(NamedTuple):
+    layers: tuple[LayerCache, ...]
+    lengths_B: jax.Array  # int32 [B]: positions written per row
+
+    @property
+    def max_len(self) -> int:
+        return self.layers[0].k_global.shape[1]
+
+    def nbytes(self) -> int:
+        """Bytes of the k/v arrays as allocated."""
+        return sum(x.size * x.dtype.itemsize for layer in self.layers for x in layer)
+
+
+def init_cache(layouts, batch_size: int, max_len: int, head_dim: int,
+               dtype=jnp.bfloat16) -> KVCache:
+    """An empty cache for layers with these ``CacheLayout``s."""
+    layers = []
+    for lay in layouts:
+        g = (batch_size, max_len, len(lay.global_kv), head_dim)
+        l = (batch_size, lay.ring_size, len(lay.local_kv), head_dim)
+        layers.append(LayerCache(jnp.zeros(g, dtype), jnp.zeros(g, dtype), jnp.zeros(l, dtype),
+                                 jnp.zeros(l, dtype)))
+    return KVCache(tuple(layers), jnp.zeros((batch_size,), jnp.int32))
+
+
+def global_positions(lengths_B: jax.Array, max_len: int) -> jax.Array:
+    """int32 [B, T_max]: slot s holds position s if s < length, else -1."""
+    s = jnp.arange(max_len, dtype=jnp.int32)[None, :]
+    return jnp.where(s < lengths_B[:, None], s, -1)
+
+
+def ring_positions(lengths_B: jax.Array, ring_size: int) -> jax.Array:
+    """int32 [B, P]: slot s holds the latest position < length congruent to s mod P (-1: none)."""
+    s = jnp.arange(ring_size, dtype=jnp.int32)[None, :]
+    last = lengths_B[:, None] - 1
+    pos = last - jnp.mod(last - s, ring_size)
+    return jnp.where(pos >= 0, pos, -1)
+
+
+def write_global(cache_BxSxGxD, new_BxCxGxD, positions_BxC):
+    """Writes the new keys at slot = position, per row (positions past T_max are dropped)."""
+    B = cache_BxSxGxD.shape[0]
+    rows = jnp.arange(B)[:, None]
+    return cache_BxSxGxD.at[rows, positions_BxC].set(new_BxCxGxD.astype(cache_BxSxGxD.dtype),
+                                                     mode="drop")
+
+
+def update_ring(ring_BxPxGxD, new_BxCxGxD, old_lengths_B, new_lengths_B, start_B):
+    """The ring after appending keys at positions start_B + arange(C): it holds positions
+    new_length - P .. new_length - 1, taken from the old ring (positions < old_length) or from
+    the new keys. Rows whose length does not change keep their ring."""
+    P = ring_BxPxGxD.shape[1]
+    both = jnp.concatenate([ring_BxPxGxD, new_BxCxGxD.astype(ring_BxPxGxD.dtype)], axis=1)
+    pos_BxP = ring_positions(new_lengths_B, P)  # the position each slot must hold now
+    from_new = pos_BxP >= old_lengths_B[:, None]
+    idx_BxP = jnp.where(from_new, P + pos_BxP - start_B[:, None], jnp.mod(pos_BxP, P))
+    idx_BxP = jnp.clip(idx_BxP, 0, both.shape[1] - 1)
+    return jnp.take_along_axis(both, idx_BxP[:, :, None, None], axis=1)

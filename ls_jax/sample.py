@@ -1,0 +1,111 @@
+"""Sample text from a trained run: ``python -m ls_jax.sample --checkpoint DIR --prompt "..."``.
+
+The run directory gives the config (``config.json``) and with it the tokenizer; only the model
+parameters are read from the checkpoint (the optimizer state stays on disk). Prints the
+prompt and its continuation, then the token counts and tokens/s. Bad input: one line on
+stderr, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_DTYPES = ("bfloat16", "float32")
+
+
+def load_model(workdir: str, step: int | None = None):
+    """(model, Config, step) of the run in ``workdir``: the model's parameters only (orbax
+    partial restore of the saved (model, optimizer) state; the optimizer state stays on disk)."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from ls_jax.checkpoint import CheckpointError, Checkpointer
+    from ls_jax.model import Transformer
+    from ls_jax.rundir import RunDir
+    from ls_jax.state import abstract_train_state
+
+    run = RunDir(workdir)
+    cfg = run.load_config()
+    ckpt = Checkpointer(run, create=False)  # a clear error when the directory is missing
+    steps = ckpt.all_steps()
+    ckpt.close()
+    if not steps:
+        raise CheckpointError(f"checkpoint: no finished checkpoint in {run.checkpoint_dir}")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise CheckpointError(f"--step: expected one of {steps}, got {step}")
+    _, abstract = abstract_train_state(cfg)
+    item = {0: abstract[0]}  # state = (model, optimizer): key 0 is the model
+    manager = ocp.CheckpointManager(run.checkpoint_dir,
+                                    options=ocp.CheckpointManagerOptions(create=False))
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True)))
+    except Exception as e:  # orbax raises many types for damaged directories
+        raise CheckpointError(f"checkpoint: step {step} in {run.checkpoint_dir} could not "
+                              f"be restored: {type(e).__name__}: {e}") from e
+    finally:
+        manager.close()
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
+    model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, restored["state"][0]))
+    return model, cfg, step
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m ls_jax.sample",
+        description="Generate text with a model trained by train.py (KV-cache decoding).")
+    parser.add_argument("--checkpoint", required=True, help="the run directory (train --workdir)")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-stop", action="store_true",
+                        help="do not stop at the tokenizer's end-of-document token")
+    parser.add_argument("--chunk-size", type=int, default=512, help="prefill chunk length")
+    parser.add_argument("--cache-dtype", default="bfloat16", choices=_DTYPES)
+    args = parser.parse_args(argv)
+
+    import jax.numpy as jnp
+
+    from ls_jax.checkpoint import CheckpointError
+    from ls_jax.generate import generate
+    from ls_jax.rundir import RunDir
+    from ls_jax.tokenizer import make_tokenizer
+
+    try:
+        if not args.prompt:
+            raise ValueError("--prompt: expected a non-empty text, got ''")
+        cfg = RunDir(args.checkpoint).load_config()
+        tokenizer = make_tokenizer(cfg.data.tokenizer)
+        prompt_ids = tokenizer.encode(args.prompt)
+        if prompt_ids.size == 0:
+            raise ValueError(f"--prompt: {args.prompt!r} encodes to no tokens")
+        model, cfg, step = load_model(args.checkpoint, args.step)
+        result = generate(
+            model, prompt_ids, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+            end_id=None if args.no_stop else tokenizer.eos_id, chunk_size=args.chunk_size,
+            cache_dtype=jnp.dtype(args.cache_dtype))
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    new = result.tokens[0]
+    print(args.prompt + tokenizer.decode(new))
+    rate = len(new) / result.decode_seconds if result.decode_seconds > 0 else float("nan")
+    print(f"--\nstep {step}: {len(prompt_ids)} prompt + {len(new)} new tokens; prefill "
+          f"{result.prefill_seconds:.2f} s, decode {result.decode_seconds:.2f} s "
+          f"({rate:.1f} tokens/s; {result.compile_seconds:.2f} s compiling it)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

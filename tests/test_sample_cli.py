@@ -1,0 +1,82 @@
+"""`python -m ls_jax.sample`: a briefly trained micro run samples text; bad input -> one line,
+exit 2. Also the inference benchmark's --smoke mode on CPU."""
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+
+from ls_jax.configs import get_config
+from ls_jax.sample import main as sample_main
+from ls_jax.train import train
+
+MICRO = [
+    "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.head_dim=16", "model.window=4",
+    "model.max_seq_len=64", "data.seq_len=64", "data.shuffle_window=16", "train.batch_size=4",
+    "train.num_steps=3", "train.save_every=3", "train.warmup_steps=1", "train.eval_batches=1",
+    "train.progress=false", "train.async_checkpoints=false",
+]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("micro_run"))
+    train(get_config("tiny", MICRO), workdir, log=lambda _m: None)
+    return workdir
+
+
+def test_cli_samples_text(run_dir, capsys):
+    rc = sample_main(["--checkpoint", run_dir, "--prompt", "def f(x):", "--max-new-tokens", "12",
+                      "--temperature", "0.8", "--top-k", "20", "--no-stop"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.startswith("def f(x):") and len(out.encode()) > len("def f(x):")
+    assert "step 3: 9 prompt + 12 new tokens" in err and "tokens/s" in err
+
+
+@pytest.mark.parametrize("case", ["no_run", "no_tokenizer", "empty_prompt", "past_table"])
+def test_cli_bad_input_one_line_exit_2(run_dir, tmp_path, capsys, case):
+    ckpt, args = run_dir, ["--prompt", "abc", "--max-new-tokens", "4"]
+    expect = {"no_run": "config.json", "no_tokenizer": "SentencePiece model file not found",
+              "empty_prompt": "--prompt: expected a non-empty text",
+              "past_table": "exceeds model.max_seq_len=64"}[case]
+    if case == "no_run":
+        ckpt = str(tmp_path / "nothing")
+    elif case == "no_tokenizer":  # a run whose tokenizer file is gone
+        ckpt = str(tmp_path / "run")
+        shutil.copytree(run_dir, ckpt)
+        with open(os.path.join(ckpt, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["data"]["tokenizer"] = f"sentencepiece:{tmp_path}/missing.model"
+        with open(os.path.join(ckpt, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    elif case == "empty_prompt":
+        args = ["--prompt", "", "--max-new-tokens", "4"]
+    else:
+        args = ["--prompt", "abc", "--max-new-tokens", "62"]
+    rc = sample_main(["--checkpoint", ckpt] + args)
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and expect in err, err
+
+
+def test_inference_bench_smoke(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "bench_inference", os.path.join(root, "bench", "inference.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    out = tmp_path / "inf.json"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    rows = [r for r in data["results"] if "skipped" not in r]
+    assert {r["variant"] for r in rows} == {"LS p=4", "MHSA"}
+    assert {r["kind"] for r in rows} == {"prefill", "decode"}
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert any("cache bytes" in t and t.endswith("PASS") for t in data["targets"])
+    assert not any("cache bytes" in t and t.endswith("MISS") for t in data["targets"])
+    assert "| shape | variant |" in capsys.readouterr().out

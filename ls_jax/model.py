@@ -8,8 +8,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ls_jax.attention import LSAttention
+from ls_jax.attention import LSAttention, partitioned
 from ls_jax.config import ModelConfig
+
+# model.remat -> what a block keeps for its backward pass (None: no checkpointing)
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def _dtype(name: str):
@@ -21,8 +28,13 @@ class MLP(nnx.Module):
         hidden = cfg.mlp_ratio * cfg.d_model
         kw = dict(use_bias=cfg.use_bias, dtype=_dtype(cfg.compute_dtype),
                   param_dtype=_dtype(cfg.param_dtype), rngs=rngs)
-        self.fc = nnx.Linear(cfg.d_model, hidden, kernel_init=nnx.initializers.normal(cfg.init_std), **kw)
-        self.proj = nnx.Linear(hidden, cfg.d_model, kernel_init=nnx.initializers.normal(out_init_std), **kw)
+        normal, zeros = nnx.initializers.normal, nnx.initializers.zeros_init()
+        self.fc = nnx.Linear(cfg.d_model, hidden, **kw,
+                             kernel_init=partitioned(normal(cfg.init_std), ("embed", "mlp")),
+                             bias_init=partitioned(zeros, ("mlp",)))
+        self.proj = nnx.Linear(hidden, cfg.d_model, **kw,
+                               kernel_init=partitioned(normal(out_init_std), ("mlp", "embed")),
+                               bias_init=partitioned(zeros, ("embed",)))
 
     def __call__(self, x_BxTxD):
         return self.proj(jax.nn.gelu(self.fc(x_BxTxD), approximate=True))
@@ -70,9 +82,11 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         pdt = _dtype(cfg.param_dtype)
         emb_init = nnx.initializers.normal(cfg.init_std)
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=emb_init,
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model,
+                               embedding_init=partitioned(emb_init, ("vocab", "embed")),
                                param_dtype=pdt, rngs=rngs)
-        self.pos_embed = (nnx.Embed(cfg.max_seq_len, cfg.d_model, embedding_init=emb_init,
+        self.pos_embed = (nnx.Embed(cfg.max_seq_len, cfg.d_model,
+                                    embedding_init=partitioned(emb_init, ("positions", "embed")),
                                     param_dtype=pdt, rngs=rngs)
                           if cfg.pos_embedding == "learned" else None)
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
@@ -80,7 +94,8 @@ class Transformer(nnx.Module):
                                   param_dtype=pdt, rngs=rngs)
         self.lm_head = (None if cfg.tie_embeddings else
                         nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
-                                   kernel_init=emb_init, dtype=_dtype(cfg.compute_dtype),
+                                   kernel_init=partitioned(emb_init, ("embed", "vocab")),
+                                   dtype=_dtype(cfg.compute_dtype),
                                    param_dtype=pdt, rngs=rngs))
 
     def __call__(self, tokens_BxT: jax.Array, *, positions: jax.Array | None = None,
@@ -97,8 +112,14 @@ class Transformer(nnx.Module):
         if self.pos_embed is not None:
             x_BxTxD = x_BxTxD + self.pos_embed(positions).astype(jnp.float32)
         attn_stats = []
+        policy = REMAT_POLICIES[cfg.remat]
         for block in self.blocks:
-            x_BxTxD, max_abs_logit_H = block(x_BxTxD, positions=positions, segment_ids=segment_ids)
+            if policy is None:
+                x_BxTxD, max_abs_logit_H = block(x_BxTxD, positions=positions,
+                                                 segment_ids=segment_ids)
+            else:  # activation checkpointing: the backward pass recomputes what policy drops
+                x_BxTxD, max_abs_logit_H = nnx.remat(_run_block, policy=policy)(
+                    block, x_BxTxD, positions, segment_ids)
             attn_stats.append(max_abs_logit_H)
         h_BxTxD = self.ln_f(x_BxTxD).astype(_dtype(cfg.compute_dtype))
         if self.lm_head is None:
@@ -113,6 +134,10 @@ class Transformer(nnx.Module):
             "lm_head_max_abs_logit": jax.lax.stop_gradient(jnp.max(jnp.abs(logits_BxTxV))),
         }
         return logits_BxTxV, stats
+
+
+def _run_block(block, x_BxTxD, positions, segment_ids):
+    return block(x_BxTxD, positions=positions, segment_ids=segment_ids)
 
 
 def count_params(model: nnx.Module) -> int:

@@ -24,6 +24,7 @@ a mesh (or a mesh of one device) this is exactly ``ls_attention``.
 from __future__ import annotations
 
 import functools
+import re
 import math
 from typing import Sequence
 
@@ -127,3 +128,24 @@ def ls_attention_sharded(q, k, v, window_sizes, *, mesh=None, batch_axes=BATCH_A
     if not return_logit_stats:
         return out
     return out, LogitStats(max_abs_logit=max_abs_H)
+
+
+_HLO_SHAPE = re.compile(r"[a-z]+[0-9]*\[([0-9,]*)\]")
+
+
+def activation_gathers(hlo_text: str, seq_len: int) -> list[str]:
+    """The all-gather instructions of compiled HLO text whose result has a dimension of
+    ``seq_len``: gathers of activations such as q, k, v ([B, T, H, D]) rather than of weights.
+    A step where the attention runs per shard has none (pick a seq_len no weight has)."""
+    found = []
+    for line in hlo_text.splitlines():
+        if "all-gather(" not in line and "all-gather-start(" not in line:
+            continue
+        lhs = line.split("all-gather", 1)[0]
+        if "=" not in lhs:
+            continue
+        for dims in _HLO_SHAPE.findall(lhs.split("=", 1)[1]):
+            if dims and seq_len in [int(d) for d in dims.split(",")]:
+                found.append(line.strip())
+                break
+    return found

@@ -21,7 +21,7 @@ def train_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from ls_jax.configs import get_config
-    from ls_jax.mesh import maybe_initialize_distributed
+    from ls_jax.sharding import maybe_initialize_distributed
     from ls_jax.train import TrainingDiverged, train
 
     try:

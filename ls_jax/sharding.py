@@ -139,6 +139,16 @@ def global_batch(local_batch: dict, sharding: NamedSharding) -> dict:
             for k, v in local_batch.items()}
 
 
+def any_process(flag: bool) -> bool:
+    """True on every process when ``flag`` is True on any (a host collective; free with one
+    process). Multi-host runs call it every step so that all hosts stop at the same step."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+    flags = multihost_utils.process_allgather(np.asarray([flag], np.int32))
+    return bool(np.any(flags))
+
+
 def maybe_initialize_distributed(enabled: bool) -> None:
     """``jax.distributed.initialize()`` for multi-process runs (TPU pods, SLURM, GPU clusters);
     it detects the cluster from the environment (or JAX_COORDINATOR_ADDRESS,

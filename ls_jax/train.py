@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 from ls_jax import data as data_lib
-from ls_jax import mesh as mesh_lib
+from ls_jax import sharding as sharding_lib
 from ls_jax.checkpoint import Checkpointer
 from ls_jax.config import Config
 from ls_jax.evaluate import evaluate_model
@@ -59,8 +59,12 @@ def create_model_and_optimizer(cfg: Config, *, seed: int | None = None):
 
 
 def abstract_train_state(cfg: Config):
-    """(graphdef, abstract state) of (model, optimizer) without allocating parameters."""
-    return nnx.split(nnx.eval_shape(lambda: create_model_and_optimizer(cfg)))
+    """(graphdef, abstract state) of (model, optimizer) without allocating parameters.
+
+    Built outside any mesh: the logical axis names stay metadata (ls_jax/sharding.py maps
+    them to mesh axes) instead of becoming shardings of the abstract values."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        return nnx.split(nnx.eval_shape(lambda: create_model_and_optimizer(cfg)))
 
 
 def write_or_check_config(cfg: Config, workdir: str) -> None:
@@ -72,6 +76,8 @@ def write_or_check_config(cfg: Config, workdir: str) -> None:
         with open(path) as f:
             old = json.load(f)
         new = cfg.to_dict()
+        old.pop("mesh", None)  # the mesh is not part of a run's identity: resume on another
+        new.pop("mesh", None)
         if old != new:
             diffs = [f"{sec}.{k}: {old.get(sec, {}).get(k)!r} -> {v!r}"
                      for sec in ("model", "data", "train") for k, v in new[sec].items()
@@ -143,6 +149,30 @@ def make_train_step(graphdef, cfg: Config) -> Callable:
     return train_step
 
 
+@dataclasses.dataclass
+class TrainFns:
+    """The jitted functions of a run on a mesh, and where the state lives."""
+    graphdef: Any
+    abstract: Any  # abstract nnx.State of (model, optimizer)
+    state_sharding: Any  # the same tree of NamedShardings
+    init: Callable  # () -> state
+    step: Callable  # (state, global batch) -> (state, metrics); state donated
+
+
+def compile_train_fns(cfg: Config, mesh: jax.sharding.Mesh) -> TrainFns:
+    """Parameters and optimizer moments split over fsdp (and tensor) by their logical axes,
+    the batch over data x fsdp, the metrics replicated."""
+    graphdef, abstract = abstract_train_state(cfg)
+    state_sharding = sharding_lib.state_shardings(abstract, mesh)
+    init = jax.jit(lambda: nnx.state(create_model_and_optimizer(cfg)),
+                   out_shardings=state_sharding)
+    step = jax.jit(make_train_step(graphdef, cfg),
+                   in_shardings=(state_sharding, sharding_lib.batch_sharding(mesh)),
+                   out_shardings=(state_sharding, sharding_lib.replicated(mesh)),
+                   donate_argnums=0)
+    return TrainFns(graphdef, abstract, state_sharding, init, step)
+
+
 # -- the loop ---------------------------------------------------------------------------------
 
 class _StopFlag:
@@ -196,12 +226,15 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
     """
     tcfg, dcfg = cfg.train, cfg.data
     n_dev, n_proc = jax.device_count(), jax.process_count()
-    if tcfg.batch_size % n_dev:
-        raise ValueError(f"train.batch_size: expected a multiple of the device count {n_dev}, "
-                         f"got {tcfg.batch_size}")
-    if (tcfg.batch_size // tcfg.grad_accum_steps) % n_dev:
+    mesh = sharding_lib.make_mesh(cfg.mesh)
+    n_batch = sharding_lib.batch_divisor(mesh)  # the batch splits over data x fsdp
+    if tcfg.batch_size % n_batch:
+        raise ValueError(f"train.batch_size: expected a multiple of {n_batch} (mesh data x fsdp "
+                         f"= {dict(mesh.shape)}), got {tcfg.batch_size}")
+    if (tcfg.batch_size // tcfg.grad_accum_steps) % n_batch:
         raise ValueError(f"train.grad_accum_steps: each micro-batch (batch_size / grad_accum_steps"
-                         f" = {tcfg.batch_size // tcfg.grad_accum_steps}) must split over {n_dev} devices")
+                         f" = {tcfg.batch_size // tcfg.grad_accum_steps}) must split over "
+                         f"{n_batch} devices (mesh data x fsdp)")
     tokenizer = make_tokenizer(dcfg.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"model.vocab_size: expected >= the tokenizer's vocabulary "
@@ -210,12 +243,10 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
     if is_main:
         write_or_check_config(cfg, workdir)
 
-    mesh = mesh_lib.make_mesh()
-    replicated, data_sharding = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
+    data_sharding = sharding_lib.batch_sharding(mesh)
     with jax.set_mesh(mesh):
-        graphdef, abstract = abstract_train_state(cfg)
-        init_fn = jax.jit(lambda: nnx.state(create_model_and_optimizer(cfg)),
-                          out_shardings=replicated)
+        fns = compile_train_fns(cfg, mesh)
+        graphdef, abstract, state_sharding = fns.graphdef, fns.abstract, fns.state_sharding
         dataset = data_lib.make_dataset(
             dcfg, dcfg.train_split, batch_size=tcfg.batch_size // n_proc, seed=dcfg.shuffle_seed,
             shard_index=jax.process_index(), shard_count=n_proc)
@@ -223,18 +254,18 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
         ckpt = Checkpointer(workdir, keep=tcfg.keep_checkpoints, async_save=tcfg.async_checkpoints)
         start_step = ckpt.latest_step() or 0
         if start_step:
-            abstract_sharded = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), abstract)
+            # restored straight into this run's shardings, whatever mesh wrote the checkpoint
+            abstract_sharded = sharding_lib.with_shardings(abstract, state_sharding)
             _, state = ckpt.restore(start_step, abstract_sharded, data_iter)
             log(f"resumed from {ckpt.directory} at step {start_step}")
         else:
-            state = init_fn()
+            state = fns.init()
         n_params = count_params(nnx.merge(graphdef, state)[0])
         if start_step == 0:
-            log(f"{cfg.name}: {n_params / 1e6:.2f}M parameters, {n_dev} device(s), "
+            log(f"{cfg.name}: {n_params / 1e6:.2f}M parameters, {n_dev} device(s) "
+                f"(mesh {dict(mesh.shape)}), {n_proc} process(es), "
                 f"attention implementation {cfg.model.attn_implementation or 'default'}")
-        step_fn = jax.jit(make_train_step(graphdef, cfg), in_shardings=(replicated, data_sharding),
-                          out_shardings=(replicated, replicated), donate_argnums=0)
+        step_fn = fns.step
         writer = MetricsWriter(workdir, resume_step=start_step if start_step else None,
                                enabled=is_main)
         result = TrainResult(workdir=workdir, start_step=start_step, final_step=start_step,
@@ -273,7 +304,7 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
                 ran = 0
                 while step < tcfg.num_steps:
                     batch = next(data_iter)
-                    batch = mesh_lib.global_batch(batch, data_sharding)
+                    batch = sharding_lib.global_batch(batch, data_sharding)
                     state, dev_metrics = step_fn(state, batch)
                     step += 1
                     ran += 1
@@ -285,6 +316,9 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
                     stop_now = (stop.signum is not None
                                 or (stop_after_steps is not None and ran >= stop_after_steps)
                                 or (stop_at_time is not None and time.time() >= stop_at_time))
+                    # a SIGTERM reaches hosts at different steps: all stop (and save) at the
+                    # first step any of them saw it
+                    stop_now = sharding_lib.any_process(stop_now)
                     at_eval = tcfg.eval_every and step % tcfg.eval_every == 0
                     save_now = step % tcfg.save_every == 0 or step == tcfg.num_steps or stop_now
                     if save_now or at_eval:
@@ -300,6 +334,7 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
                     if stop_now:
                         result.interrupted = True
                         why = (f"signal {stop.signum}" if stop.signum is not None
+                               else "another process was stopped" if n_proc > 1
                                else f"stop_after_steps={stop_after_steps}"
                                if stop_after_steps is not None and ran >= stop_after_steps
                                else "time budget")

@@ -24,8 +24,8 @@ a mesh (or a mesh of one device) this is exactly ``ls_attention``.
 from __future__ import annotations
 
 import functools
-import re
 import math
+import re
 from typing import Sequence
 
 import jax
@@ -122,6 +122,8 @@ def ls_attention_sharded(q, k, v, window_sizes, *, mesh=None, batch_axes=BATCH_A
     if segment_ids is not None:
         args, in_specs = args + (segment_ids,), in_specs + (P(_spec_entry(batch), None),)
     manual = frozenset(batch + ((head,) if head else ()))
+    if all(mesh.shape[a] == 1 for a in mesh.axis_names if a not in manual):
+        manual = frozenset(mesh.axis_names)  # fully manual: Pallas interpret's callbacks need it
     fn = jax.shard_map(per_shard, mesh=mesh, axis_names=manual, in_specs=in_specs,
                        out_specs=(qkv_spec, P(head)), check_vma=False)
     out, max_abs_H = fn(*args)
@@ -131,21 +133,31 @@ def ls_attention_sharded(q, k, v, window_sizes, *, mesh=None, batch_axes=BATCH_A
 
 
 _HLO_SHAPE = re.compile(r"[a-z]+[0-9]*\[([0-9,]*)\]")
+_HLO_ALL_GATHER = re.compile(r"=\s*(.*?)\s+all-gather(?:-start)?\(")
 
 
-def activation_gathers(hlo_text: str, seq_len: int) -> list[str]:
+def activation_gathers(hlo_text: str, seq_len: int, last_dims=None) -> list[str]:
     """The all-gather instructions of compiled HLO text whose result has a dimension of
-    ``seq_len``: gathers of activations such as q, k, v ([B, T, H, D]) rather than of weights.
-    A step where the attention runs per shard has none (pick a seq_len no weight has)."""
+    ``seq_len`` (and, if ``last_dims`` is given, a last dimension in it): gathers of
+    activations rather than of weights (pick a seq_len no weight has).
+
+    ``qkv_gathers`` narrows this to the attention operands."""
     found = []
     for line in hlo_text.splitlines():
-        if "all-gather(" not in line and "all-gather-start(" not in line:
+        m = _HLO_ALL_GATHER.search(line)
+        if m is None:
             continue
-        lhs = line.split("all-gather", 1)[0]
-        if "=" not in lhs:
-            continue
-        for dims in _HLO_SHAPE.findall(lhs.split("=", 1)[1]):
-            if dims and seq_len in [int(d) for d in dims.split(",")]:
+        for dims in _HLO_SHAPE.findall(m.group(1)):
+            shape = [int(d) for d in dims.split(",")] if dims else []
+            if seq_len in shape and (last_dims is None or shape[-1] in last_dims):
                 found.append(line.strip())
                 break
     return found
+
+
+def qkv_gathers(hlo_text: str, seq_len: int, n_head: int, head_dim: int) -> list[str]:
+    """All-gathers of q, k or v (or their grads) around the attention: results [.., T, .., D]
+    with D = head_dim, or [.., T, h * head_dim] (heads flattened). A step whose kernel runs
+    per shard has none; one whose kernel runs on the gathered batch has several."""
+    return activation_gathers(hlo_text, seq_len,
+                              last_dims={head_dim * h for h in range(1, n_head + 1)})

@@ -19,7 +19,7 @@ from flax import nnx
 
 from ls_jax import data as data_lib
 from ls_jax import sharding as sharding_lib
-from ls_jax.config import Config
+from ls_jax.config import Config, MeshConfig
 from ls_jax.loss import lm_loss
 from ls_jax.metrics import logit_norm_summary
 from ls_jax.tokenizer import make_tokenizer
@@ -126,9 +126,12 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, split: str | N
     from ls_jax.checkpoint import Checkpointer
     from ls_jax.train import abstract_train_state, load_config
 
-    cfg = load_config(workdir)
+    # evaluation runs data parallel on whatever devices are here, not on the training mesh
+    cfg = dataclasses.replace(load_config(workdir), mesh=MeshConfig())
     ckpt = Checkpointer(workdir, create=False)
     graphdef, abstract = abstract_train_state(cfg)
+    mesh = sharding_lib.make_mesh(cfg.mesh)
+    abstract = sharding_lib.with_shardings(abstract, sharding_lib.state_shardings(abstract, mesh))
     try:
         step, state = ckpt.restore(step, abstract)
     finally:

@@ -10,6 +10,7 @@ from flax import nnx
 
 from ls_jax.attention import LSAttention, partitioned
 from ls_jax.config import ModelConfig
+from ls_jax.sharding import constrain_batch
 
 # model.remat -> what a block keeps for its backward pass (None: no checkpointing)
 REMAT_POLICIES = {
@@ -111,6 +112,7 @@ class Transformer(nnx.Module):
         x_BxTxD = self.embed(tokens_BxT).astype(jnp.float32)
         if self.pos_embed is not None:
             x_BxTxD = x_BxTxD + self.pos_embed(positions).astype(jnp.float32)
+        x_BxTxD = constrain_batch(x_BxTxD)  # the residual stream: batch-split, model dims whole
         attn_stats = []
         policy = REMAT_POLICIES[cfg.remat]
         for block in self.blocks:
@@ -121,6 +123,7 @@ class Transformer(nnx.Module):
                 x_BxTxD, max_abs_logit_H = nnx.remat(_run_block, policy=policy)(
                     block, x_BxTxD, positions, segment_ids)
             attn_stats.append(max_abs_logit_H)
+            x_BxTxD = constrain_batch(x_BxTxD)
         h_BxTxD = self.ln_f(x_BxTxD).astype(_dtype(cfg.compute_dtype))
         if self.lm_head is None:
             logits_BxTxV = self.embed.attend(h_BxTxD)

@@ -16,6 +16,7 @@ axes. A dimension that a mesh axis does not divide stays whole (replicated) alon
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import jax
@@ -133,6 +134,18 @@ def with_shardings(abstract_state: Any, shardings: Any) -> Any:
                         abstract_state, shardings)
 
 
+def constrain_batch(x):
+    """``x`` [B, ...] split over the batch axes of the mesh set by ``jax.set_mesh`` (and whole
+    along the rest): keeps XLA from spreading activations over the fsdp/tensor axes in other
+    layouts. Without such a mesh, ``x`` unchanged."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not all(a in mesh.axis_names for a in BATCH_AXES):
+        return x
+    if x.shape[0] % math.prod(mesh.shape[a] for a in BATCH_AXES):
+        return x
+    return jax.lax.with_sharding_constraint(x, P(BATCH_AXES))
+
+
 def global_batch(local_batch: dict, sharding: NamedSharding) -> dict:
     """This process's numpy batch -> global jax.Arrays sharded on the batch axis."""
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
@@ -150,8 +163,16 @@ def any_process(flag: bool) -> bool:
 
 
 def maybe_initialize_distributed(enabled: bool) -> None:
-    """``jax.distributed.initialize()`` for multi-process runs (TPU pods, SLURM, GPU clusters);
-    it detects the cluster from the environment (or JAX_COORDINATOR_ADDRESS,
-    JAX_NUM_PROCESSES, JAX_PROCESS_ID)."""
-    if enabled:
-        jax.distributed.initialize()
+    """``jax.distributed.initialize()`` for multi-process runs. TPU VM slices and SLURM are
+    detected from the environment; elsewhere set JAX_COORDINATOR_ADDRESS (host:port of
+    process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process."""
+    if not enabled:
+        return
+    kwargs = {}
+    for var, key in (("JAX_NUM_PROCESSES", "num_processes"), ("JAX_PROCESS_ID", "process_id")):
+        if os.environ.get(var):
+            try:
+                kwargs[key] = int(os.environ[var])
+            except ValueError:
+                raise ValueError(f"{var}: expected an int, got {os.environ[var]!r}") from None
+    jax.distributed.initialize(**kwargs)

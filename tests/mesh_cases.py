@@ -18,13 +18,28 @@ def micro(*overrides):
     cfg = Config(
         name="micro",
         # T=48: no weight has a dimension of 48, so an all-gather with one is an activation's
-        model=ModelConfig(vocab_size=256, n_layer=1, d_model=32, n_head=4, head_dim=8,
+        model=ModelConfig(vocab_size=256, n_layer=1, d_model=40, n_head=4, head_dim=8,
                           n_global_heads=1, window=8, max_seq_len=64),
         data=DataConfig(seq_len=48, shuffle_window=8, worker_threads=0, prefetch=0),
         train=TrainConfig(batch_size=8, num_steps=3, lr=3e-3, warmup_steps=1, log_every=1,
                           save_every=100, eval_batches=1, async_checkpoints=False,
                           progress=False))
     return cfg.override(list(overrides))
+
+
+def case_kernels(impls: str):
+    """case_kernel for each comma-separated backend, and a negative control for the gather
+    check: a step that does gather a batch-sharded q must be caught."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from ls_jax.kernels.sharded import qkv_gathers
+    out = {impl: case_kernel(impl) for impl in impls.split(",")}
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    q = jax.device_put(jnp.ones((8, 40, 4, 8)), NamedSharding(mesh, P("data")))
+    gather = jax.jit(lambda q: jnp.sum(
+        jax.lax.with_sharding_constraint(q, NamedSharding(mesh, P())), axis=0))
+    out["control_gathers"] = len(qkv_gathers(gather.lower(q).compile().as_text(), 40, 4, 8))
+    return out
 
 
 def case_kernel(impl: str):
@@ -87,7 +102,7 @@ def case_train(impl: str, meshes: str):
     from flax import nnx
 
     from ls_jax import sharding as sharding_lib
-    from ls_jax.kernels.sharded import activation_gathers
+    from ls_jax.kernels.sharded import qkv_gathers
     from ls_jax.train import compile_train_fns
     extra = [f"model.attn_implementation={impl}"]
     if impl.startswith("pallas"):  # the model's kernel calls in Pallas interpret mode (CPU)
@@ -126,7 +141,7 @@ def case_train(impl: str, meshes: str):
         "mu_q_proj": _spec(mu[0].get_value()) if mu else None,
         "batch": _spec(batch["inputs"]),
     }
-    out["gathers"] = activation_gathers(hlo, cfg.data.seq_len)
+    out["gathers"] = qkv_gathers(hlo, cfg.data.seq_len, cfg.model.n_head, cfg.model.head_dim)
     return out
 
 
@@ -161,8 +176,9 @@ def case_restore(workdir: str, stop_after: str):
             "losses": {str(k): v for k, v in r.losses.items()}, "digest": digest}
 
 
-def case_multiprocess(workdir: str, process_id: str, port: str):
-    """One of two processes on localhost (jax.distributed); trains until stopped."""
+def case_multiprocess(workdir: str, process_id: str, port: str, stop_after: str):
+    """One of two processes on localhost (jax.distributed); trains until stopped (or for
+    ``stop_after`` steps when not 0)."""
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2,
                                process_id=int(process_id))
     from ls_jax.train import train
@@ -171,7 +187,7 @@ def case_multiprocess(workdir: str, process_id: str, port: str):
     def log(msg):
         print(msg, flush=True)
 
-    r = train(cfg, workdir, log=log)
+    r = train(cfg, workdir, log=log, stop_after_steps=int(stop_after) or None)
     return {"process": jax.process_index(), "start": r.start_step, "final": r.final_step,
             "interrupted": r.interrupted, "devices": jax.device_count()}
 

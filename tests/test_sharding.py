@@ -95,9 +95,9 @@ def test_kernel_per_shard_matches_one_device():
     data x tensor mesh where each head shard holds different windows: output, logit stats and
     gradients as on one device; a step that does gather q is caught by the HLO check."""
     r = _result(_start(8, "kernels", "reference,pallas_gpu,pallas_tpu"))
+    assert set(r["reference"]) == {"tensor2", "tensor4"}
     for impl in ("reference", "pallas_gpu", "pallas_tpu"):
-        for mesh in ("tensor2", "tensor4"):
-            got = r[impl][mesh]
+        for mesh, got in r[impl].items():
             assert got["out"] < 1e-5 and got["grads"] < 1e-5, (impl, mesh, got)
             assert got["stats"] < 1e-5, (impl, mesh, got)
             assert got["out_spec"] == "P('data', None, 'tensor')"
@@ -196,3 +196,16 @@ def test_remat_policies_give_the_same_gradients():
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="model.remat: expected one of"):
         ModelConfig(remat="some")
+
+
+def test_scaling_bench_smoke(tmp_path):
+    """bench/scaling.py --smoke: one tiny run on 2 CPU devices, JSON and table written."""
+    out = tmp_path / "scaling.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scaling.py"), "--smoke",
+                           "--devices", "2", "--out", str(out)], env=_env(1), cwd=ROOT,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (run,) = json.loads(out.read_text())["results"]
+    assert run["devices"] == 2 and run["mesh"]["data"] == 2
+    assert run["tokens_per_s"] > 0 and run["qkv_all_gathers"] == 0
+    assert proc.stdout.strip().splitlines()[-2].startswith("shape")

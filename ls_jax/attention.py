@@ -86,27 +86,27 @@ class LSAttention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x_BxTxD: jax.Array, *, positions: jax.Array | None = None,
+    def __call__(self, x_BxTxM: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, return_logit_stats: bool = False):
         """Returns y [B, T, d_model], or (y, max_abs_logit [n_head]) with return_logit_stats."""
-        B, T, _ = x_BxTxD.shape
-        q_BxTxHxK = self.q_proj(x_BxTxD).reshape(B, T, self.n_head, self.head_dim)
-        k_BxTxGxK = self.k_proj(x_BxTxD).reshape(B, T, self.n_kv_head, self.head_dim)
-        v_BxTxGxK = self.v_proj(x_BxTxD).reshape(B, T, self.n_kv_head, self.head_dim)
+        B, T, _ = x_BxTxM.shape
+        q_BxTxHxD = self.q_proj(x_BxTxM).reshape(B, T, self.n_head, self.head_dim)
+        k_BxTxKxD = self.k_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
+        v_BxTxKxD = self.v_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
         if self.q_norm is not None:
-            q_BxTxHxK = self.q_norm(q_BxTxHxK).astype(self.dtype)
-            k_BxTxGxK = self.k_norm(k_BxTxGxK).astype(self.dtype)
+            q_BxTxHxD = self.q_norm(q_BxTxHxD).astype(self.dtype)
+            k_BxTxKxD = self.k_norm(k_BxTxKxD).astype(self.dtype)
         if self.rope_theta is not None:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-            q_BxTxHxK = apply_rope(q_BxTxHxK, positions, self.rope_theta)
-            k_BxTxGxK = apply_rope(k_BxTxGxK, positions, self.rope_theta)
+            q_BxTxHxD = apply_rope(q_BxTxHxD, positions, self.rope_theta)
+            k_BxTxKxD = apply_rope(k_BxTxKxD, positions, self.rope_theta)
         # one kernel call per shard when a mesh is set (jax.set_mesh); otherwise ls_attention
         result = ls_attention_sharded(
-            q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, self.window_sizes, segment_ids=segment_ids,
+            q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, self.window_sizes, segment_ids=segment_ids,
             return_logit_stats=return_logit_stats, implementation=self.implementation)
-        out_BxTxHxK = result[0] if return_logit_stats else result
-        y_BxTxD = self.o_proj(out_BxTxHxK.reshape(B, T, self.n_head * self.head_dim))
+        out_BxTxHxD = result[0] if return_logit_stats else result
+        y_BxTxM = self.o_proj(out_BxTxHxD.reshape(B, T, self.n_head * self.head_dim))
         if return_logit_stats:
-            return y_BxTxD, result[1].max_abs_logit
-        return y_BxTxD
+            return y_BxTxM, result[1].max_abs_logit
+        return y_BxTxM

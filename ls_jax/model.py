@@ -37,8 +37,8 @@ class MLP(nnx.Module):
                                kernel_init=partitioned(normal(out_init_std), ("mlp", "embed")),
                                bias_init=partitioned(zeros, ("embed",)))
 
-    def __call__(self, x_BxTxD):
-        return self.proj(jax.nn.gelu(self.fc(x_BxTxD), approximate=True))
+    def __call__(self, x_BxTxM):
+        return self.proj(jax.nn.gelu(self.fc(x_BxTxM), approximate=True))
 
 
 class Block(nnx.Module):
@@ -61,13 +61,18 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, out_init_std=out_std, rngs=rngs)
         self.compute_dtype = _dtype(cfg.compute_dtype)
 
-    def __call__(self, x_BxTxD, *, positions=None, segment_ids=None):
-        h_BxTxD, max_abs_logit_H = self.attn(
-            self.ln1(x_BxTxD).astype(self.compute_dtype), positions=positions,
-            segment_ids=segment_ids, return_logit_stats=True)
-        x_BxTxD = x_BxTxD + h_BxTxD
-        x_BxTxD = x_BxTxD + self.mlp(self.ln2(x_BxTxD).astype(self.compute_dtype))
-        return x_BxTxD, max_abs_logit_H
+    def __call__(self, x_BxTxM, *, positions=None, segment_ids=None,
+                 return_logit_stats: bool = False):
+        """Returns x, or (x, max_abs_logit_H) with ``return_logit_stats`` (the attention
+        kernel computes the statistics only then)."""
+        attn = self.attn(self.ln1(x_BxTxM).astype(self.compute_dtype), positions=positions,
+                         segment_ids=segment_ids, return_logit_stats=return_logit_stats)
+        h_BxTxM, max_abs_logit_H = attn if return_logit_stats else (attn, None)
+        x_BxTxM = x_BxTxM + h_BxTxM
+        x_BxTxM = x_BxTxM + self.mlp(self.ln2(x_BxTxM).astype(self.compute_dtype))
+        if return_logit_stats:
+            return x_BxTxM, max_abs_logit_H
+        return x_BxTxM
 
 
 class Transformer(nnx.Module):
@@ -109,38 +114,43 @@ class Transformer(nnx.Module):
             raise ValueError(
                 f"tokens: sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len} of the "
                 f"learned position table")
-        x_BxTxD = self.embed(tokens_BxT).astype(jnp.float32)
+        x_BxTxM = self.embed(tokens_BxT).astype(jnp.float32)
         if self.pos_embed is not None:
-            x_BxTxD = x_BxTxD + self.pos_embed(positions).astype(jnp.float32)
-        x_BxTxD = constrain_batch(x_BxTxD)  # the residual stream: batch-split, model dims whole
-        attn_stats = []
+            x_BxTxM = x_BxTxM + self.pos_embed(positions).astype(jnp.float32)
+        x_BxTxM = constrain_batch(x_BxTxM)  # the residual stream: batch-split, model dims whole
+        max_abs_logit_LxH = []
         policy = REMAT_POLICIES[cfg.remat]
         for block in self.blocks:
             if policy is None:
-                x_BxTxD, max_abs_logit_H = block(x_BxTxD, positions=positions,
-                                                 segment_ids=segment_ids)
+                out = block(x_BxTxM, positions=positions, segment_ids=segment_ids,
+                            return_logit_stats=return_stats)
             else:  # activation checkpointing: the backward pass recomputes what policy drops
-                x_BxTxD, max_abs_logit_H = nnx.remat(_run_block, policy=policy)(
-                    block, x_BxTxD, positions, segment_ids)
-            attn_stats.append(max_abs_logit_H)
-            x_BxTxD = constrain_batch(x_BxTxD)
-        h_BxTxD = self.ln_f(x_BxTxD).astype(_dtype(cfg.compute_dtype))
+                out = nnx.remat(_run_block, policy=policy, static_argnums=(4,))(
+                    block, x_BxTxM, positions, segment_ids, return_stats)
+            if return_stats:
+                x_BxTxM, max_abs_logit_H = out
+                max_abs_logit_LxH.append(max_abs_logit_H)
+            else:
+                x_BxTxM = out
+            x_BxTxM = constrain_batch(x_BxTxM)
+        h_BxTxM = self.ln_f(x_BxTxM).astype(_dtype(cfg.compute_dtype))
         if self.lm_head is None:
-            logits_BxTxV = self.embed.attend(h_BxTxD)
+            logits_BxTxV = self.embed.attend(h_BxTxM)
         else:
-            logits_BxTxV = self.lm_head(h_BxTxD)
+            logits_BxTxV = self.lm_head(h_BxTxM)
         logits_BxTxV = logits_BxTxV.astype(jnp.float32)
         if not return_stats:
             return logits_BxTxV
         stats = {
-            "attn_max_abs_logit": jnp.stack(attn_stats),
+            "attn_max_abs_logit": jnp.stack(max_abs_logit_LxH),
             "lm_head_max_abs_logit": jax.lax.stop_gradient(jnp.max(jnp.abs(logits_BxTxV))),
         }
         return logits_BxTxV, stats
 
 
-def _run_block(block, x_BxTxD, positions, segment_ids):
-    return block(x_BxTxD, positions=positions, segment_ids=segment_ids)
+def _run_block(block, x_BxTxM, positions, segment_ids, return_logit_stats):
+    return block(x_BxTxM, positions=positions, segment_ids=segment_ids,
+                 return_logit_stats=return_logit_stats)
 
 
 def count_params(model: nnx.Module) -> int:

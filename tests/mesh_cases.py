@@ -125,10 +125,10 @@ def case_train(impl: str, meshes: str):
             losses = []
             for batch_np in _batches(3, cfg.train.batch_size, cfg.data.seq_len):
                 batch = sharding_lib.global_batch(batch_np, sharding_lib.batch_sharding(mesh))
-                state, metrics = fns.step(state, batch)
+                state, metrics = fns.steps[True](state, batch)
                 losses.append(float(metrics["loss"]))
             if mesh_spec == mesh_specs[-1]:
-                hlo = fns.step.lower(state, batch).compile().as_text()
+                hlo = fns.steps[True].lower(state, batch).compile().as_text()
         out["losses"][mesh_spec] = losses
     model_state, opt_state = state[0], state[1]
     blk = model_state["blocks"][0]

@@ -11,7 +11,7 @@ import sys
 from ls_jax.checkpoint import CheckpointError
 from ls_jax.configs import get_config
 from ls_jax.evaluate import evaluate_checkpoint
-from ls_jax.mesh import maybe_initialize_distributed
+from ls_jax.sharding import maybe_initialize_distributed
 from ls_jax.train import TrainingDiverged, train
 
 

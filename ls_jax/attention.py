@@ -3,7 +3,8 @@
 Heads ``0 .. n_global_heads - 1`` attend causally to every earlier token; the rest attend to the
 last ``window`` tokens (query i sees keys i - window < j <= i). With ``n_global_heads ==
 n_head`` it is plain causal multi-head self-attention. The attention itself is one call of
-``kernels.ls_attention`` for all heads, which picks the Pallas kernel for the platform.
+``kernels.ls_attention`` for all heads, which picks the Pallas kernel for the platform (under a
+mesh, one call per shard: kernels/sharded.py).
 """
 
 from __future__ import annotations
@@ -16,9 +17,16 @@ from flax import nnx
 
 from ls_jax.kernels import ls_attention, normalize_window_sizes
 from ls_jax.kernels.decode import cached_attention
+from ls_jax.kernels.sharded import ls_attention_sharded
 from ls_jax.kv_cache import (CacheLayout, LayerCache, global_positions, ring_positions,
                              update_ring, write_global)
 from ls_jax.rope import apply_rope
+
+
+def partitioned(init, axes: tuple[str | None, ...]):
+    """``init`` with logical axis names for sharding (mapped to mesh axes by
+    ls_jax/sharding.py when a run places the state; creating a module needs no mesh)."""
+    return nnx.with_partitioning(init, axes, eager_sharding=False)
 
 
 def layer_window_sizes(n_head: int, n_global_heads: int, window: int) -> tuple[int | None, ...]:
@@ -63,14 +71,16 @@ class LSAttention(nnx.Module):
         init = nnx.initializers.normal(init_std)
         out_init = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
 
-        def linear(din, dout, kernel_init):
-            return nnx.Linear(din, dout, use_bias=use_bias, kernel_init=kernel_init, dtype=dtype,
-                              param_dtype=param_dtype, rngs=rngs)
+        def linear(din, dout, kernel_init, axes):  # axes: logical names (ls_jax/sharding.py)
+            return nnx.Linear(din, dout, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                              kernel_init=partitioned(kernel_init, axes),
+                              bias_init=partitioned(nnx.initializers.zeros_init(), axes[1:]),
+                              rngs=rngs)
 
-        self.q_proj = linear(d_model, n_head * head_dim, init)
-        self.k_proj = linear(d_model, n_kv_head * head_dim, init)
-        self.v_proj = linear(d_model, n_kv_head * head_dim, init)
-        self.o_proj = linear(n_head * head_dim, d_model, out_init)
+        self.q_proj = linear(d_model, n_head * head_dim, init, ("embed", "heads"))
+        self.k_proj = linear(d_model, n_kv_head * head_dim, init, ("embed", "heads"))
+        self.v_proj = linear(d_model, n_kv_head * head_dim, init, ("embed", "heads"))
+        self.o_proj = linear(n_head * head_dim, d_model, out_init, ("heads", "embed"))
         if qk_norm:
             self.q_norm = nnx.LayerNorm(head_dim, use_bias=False, dtype=jnp.float32,
                                         param_dtype=param_dtype, rngs=rngs)
@@ -94,7 +104,8 @@ class LSAttention(nnx.Module):
                 positions = jnp.broadcast_to(jnp.arange(T), (B, T))
             q_BxTxHxD = apply_rope(q_BxTxHxD, positions, self.rope_theta)
             k_BxTxGxD = apply_rope(k_BxTxGxD, positions, self.rope_theta)
-        result = ls_attention(
+        # one kernel call per shard when a mesh is set (jax.set_mesh); otherwise ls_attention
+        result = ls_attention_sharded(
             q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, self.window_sizes, segment_ids=segment_ids,
             return_logit_stats=return_logit_stats, implementation=self.implementation)
         out_BxTxHxD = result[0] if return_logit_stats else result

@@ -15,6 +15,9 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 POS_EMBEDDINGS = ("learned", "rope", "none")
+# activation checkpointing of each block: "none", "full" (recompute the whole block in the
+# backward pass) or "dots" (keep matmul outputs, recompute the rest); see model.REMAT_POLICIES
+REMAT = ("none", "full", "dots")
 
 
 def _fail(section: str, key: str, expected: str, got: Any):
@@ -68,6 +71,7 @@ class ModelConfig:
     compute_dtype: str = "float32"  # "bfloat16" for mixed precision
     attn_implementation: str | None = None  # None: best for the platform (see kernels)
     init_std: float = 0.02
+    remat: str = "none"  # activation checkpointing per block: one of REMAT
 
     def __post_init__(self):
         s = "model"
@@ -90,6 +94,7 @@ class ModelConfig:
         _check_choice(s, "compute_dtype", self.compute_dtype, DTYPES)
         impls = (None, "reference", "cudnn", "pallas_gpu", "pallas_tpu")
         _check_choice(s, "attn_implementation", self.attn_implementation, impls)
+        _check_choice(s, "remat", self.remat, REMAT)
 
     @property
     def kv_heads(self) -> int:
@@ -195,13 +200,38 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axes (see ls_jax/sharding.py): their product is the device count; one of
+    them may be -1, meaning every device left over. The batch is split over data x fsdp,
+    parameters and optimizer state over fsdp (and heads / MLP units over tensor).
+
+    Not part of a run's identity: a run saved on one mesh resumes on another."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        s = "mesh"
+        for key in ("data", "fsdp", "tensor"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not (
+                    value == -1 or value >= 1):
+                _fail(s, key, "an int >= 1 or -1 (the rest of the devices)", value)
+        if [self.data, self.fsdp, self.tensor].count(-1) > 1:
+            _fail(s, "data", "at most one of mesh.data, mesh.fsdp, mesh.tensor to be -1",
+                  (self.data, self.fsdp, self.tensor))
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
-    """A whole run: the three sections plus the config's name."""
+    """A whole run: the sections plus the config's name."""
 
     name: str = "tiny"
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):
         if self.model.pos_embedding == "learned" and self.data.seq_len > self.model.max_seq_len:
@@ -249,7 +279,8 @@ class Config:
             return dc(**values)
         return cls(name=d.get("name", "custom"), model=build(ModelConfig, d.get("model", {})),
                    data=build(DataConfig, d.get("data", {})),
-                   train=build(TrainConfig, d.get("train", {})))
+                   train=build(TrainConfig, d.get("train", {})),
+                   mesh=build(MeshConfig, d.get("mesh", {})))
 
 
 def valid_keys(cfg: Config) -> list[str]:

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from ls_jax import data as data_lib
-from ls_jax import mesh as mesh_lib
+from ls_jax import sharding as sharding_lib
 from ls_jax.config import Config
 from ls_jax.loss import lm_loss
 from ls_jax.metrics import logit_norm_summary
@@ -63,7 +63,9 @@ def evaluate_model(model: nnx.Module, cfg: Config, *, split: str | None = None,
         raise ValueError(
             f"seq_len: expected <= model.max_seq_len={cfg.model.max_seq_len} (learned positions "
             f"cannot extrapolate), got {seq_len}")
-    n_dev, n_proc = jax.device_count(), jax.process_count()
+    n_proc = jax.process_count()
+    mesh = sharding_lib.make_mesh(cfg.mesh)
+    n_dev = sharding_lib.batch_divisor(mesh)  # the batch splits over the data axes
     if n_proc > 1 and max_batches is None:
         # unshuffled single-epoch shards can hold different numbers of batches; every process
         # must run the same number of (collective) steps
@@ -79,14 +81,15 @@ def evaluate_model(model: nnx.Module, cfg: Config, *, split: str | None = None,
                                     shard_count=n_proc, num_epochs=1, shuffle=False)
     graphdef, state = nnx.split(model)
     fn = _eval_fn(graphdef)
-    sharding = mesh_lib.batch_sharding(mesh_lib.make_mesh())
+    sharding = sharding_lib.batch_sharding(mesh)
     totals = None
     n_batches = 0
     data_iter = iter(dataset)
     try:
         for batch in data_iter:
-            batch = mesh_lib.global_batch(batch, sharding)
-            out = jax.device_get(fn(state, batch, byte_lengths))
+            batch = sharding_lib.global_batch(batch, sharding)
+            with jax.set_mesh(mesh):
+                out = jax.device_get(fn(state, batch, byte_lengths))
             if totals is None:
                 totals = out
             else:

@@ -8,9 +8,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ls_jax.attention import LSAttention
+from ls_jax.attention import LSAttention, partitioned
 from ls_jax.config import ModelConfig
 from ls_jax.kv_cache import KVCache, init_cache
+from ls_jax.sharding import constrain_batch
+
+# model.remat -> what a block keeps for its backward pass (None: no checkpointing)
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def _dtype(name: str):
@@ -22,8 +30,13 @@ class MLP(nnx.Module):
         hidden = cfg.mlp_ratio * cfg.d_model
         kw = dict(use_bias=cfg.use_bias, dtype=_dtype(cfg.compute_dtype),
                   param_dtype=_dtype(cfg.param_dtype), rngs=rngs)
-        self.fc = nnx.Linear(cfg.d_model, hidden, kernel_init=nnx.initializers.normal(cfg.init_std), **kw)
-        self.proj = nnx.Linear(hidden, cfg.d_model, kernel_init=nnx.initializers.normal(out_init_std), **kw)
+        normal, zeros = nnx.initializers.normal, nnx.initializers.zeros_init()
+        self.fc = nnx.Linear(cfg.d_model, hidden, **kw,
+                             kernel_init=partitioned(normal(cfg.init_std), ("embed", "mlp")),
+                             bias_init=partitioned(zeros, ("mlp",)))
+        self.proj = nnx.Linear(hidden, cfg.d_model, **kw,
+                               kernel_init=partitioned(normal(out_init_std), ("mlp", "embed")),
+                               bias_init=partitioned(zeros, ("embed",)))
 
     def __call__(self, x_BxTxM):
         return self.proj(jax.nn.gelu(self.fc(x_BxTxM), approximate=True))
@@ -62,14 +75,14 @@ class Block(nnx.Module):
             return x_BxTxM, max_abs_logit_H
         return x_BxTxM
 
-    def decode(self, x_BxCxD, cache, **kw):
+    def decode(self, x_BxCxM, cache, **kw):
         """Like ``__call__`` for C new tokens per row, reading and writing this layer's KV cache
         (see ``LSAttention.attend_cached``). Returns (x, the updated LayerCache)."""
-        h_BxCxD, cache = self.attn.attend_cached(
-            self.ln1(x_BxCxD).astype(self.compute_dtype), cache, **kw)
-        x_BxCxD = x_BxCxD + h_BxCxD
-        x_BxCxD = x_BxCxD + self.mlp(self.ln2(x_BxCxD).astype(self.compute_dtype))
-        return x_BxCxD, cache
+        h_BxCxM, cache = self.attn.attend_cached(
+            self.ln1(x_BxCxM).astype(self.compute_dtype), cache, **kw)
+        x_BxCxM = x_BxCxM + h_BxCxM
+        x_BxCxM = x_BxCxM + self.mlp(self.ln2(x_BxCxM).astype(self.compute_dtype))
+        return x_BxCxM, cache
 
 
 class Transformer(nnx.Module):
@@ -85,9 +98,11 @@ class Transformer(nnx.Module):
         self.cfg = cfg
         pdt = _dtype(cfg.param_dtype)
         emb_init = nnx.initializers.normal(cfg.init_std)
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=emb_init,
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model,
+                               embedding_init=partitioned(emb_init, ("vocab", "embed")),
                                param_dtype=pdt, rngs=rngs)
-        self.pos_embed = (nnx.Embed(cfg.max_seq_len, cfg.d_model, embedding_init=emb_init,
+        self.pos_embed = (nnx.Embed(cfg.max_seq_len, cfg.d_model,
+                                    embedding_init=partitioned(emb_init, ("positions", "embed")),
                                     param_dtype=pdt, rngs=rngs)
                           if cfg.pos_embedding == "learned" else None)
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
@@ -95,7 +110,8 @@ class Transformer(nnx.Module):
                                   param_dtype=pdt, rngs=rngs)
         self.lm_head = (None if cfg.tie_embeddings else
                         nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
-                                   kernel_init=emb_init, dtype=_dtype(cfg.compute_dtype),
+                                   kernel_init=partitioned(emb_init, ("embed", "vocab")),
+                                   dtype=_dtype(cfg.compute_dtype),
                                    param_dtype=pdt, rngs=rngs))
 
     def __call__(self, tokens_BxT: jax.Array, *, positions: jax.Array | None = None,
@@ -111,15 +127,22 @@ class Transformer(nnx.Module):
         x_BxTxM = self.embed(tokens_BxT).astype(jnp.float32)
         if self.pos_embed is not None:
             x_BxTxM = x_BxTxM + self.pos_embed(positions).astype(jnp.float32)
+        x_BxTxM = constrain_batch(x_BxTxM)  # the residual stream: batch-split, model dims whole
         max_abs_logit_LxH = []
+        policy = REMAT_POLICIES[cfg.remat]
         for block in self.blocks:
-            out = block(x_BxTxM, positions=positions, segment_ids=segment_ids,
-                        return_logit_stats=return_stats)
+            if policy is None:
+                out = block(x_BxTxM, positions=positions, segment_ids=segment_ids,
+                            return_logit_stats=return_stats)
+            else:  # activation checkpointing: the backward pass recomputes what policy drops
+                out = nnx.remat(_run_block, policy=policy, static_argnums=(4,))(
+                    block, x_BxTxM, positions, segment_ids, return_stats)
             if return_stats:
                 x_BxTxM, max_abs_logit_H = out
                 max_abs_logit_LxH.append(max_abs_logit_H)
             else:
                 x_BxTxM = out
+            x_BxTxM = constrain_batch(x_BxTxM)
         h_BxTxM = self.ln_f(x_BxTxM).astype(_dtype(cfg.compute_dtype))
         if self.lm_head is None:
             logits_BxTxV = self.embed.attend(h_BxTxM)
@@ -161,28 +184,33 @@ class Transformer(nnx.Module):
         Returns (float32 logits, the updated KVCache).
         """
         cfg = self.cfg
-        x_BxCxD = self.embed(tokens_BxC).astype(jnp.float32)
+        x_BxCxM = self.embed(tokens_BxC).astype(jnp.float32)
         if self.pos_embed is not None:  # padding may sit past the table: clamp (never read)
             table_BxC = jnp.minimum(positions_BxC, cfg.max_seq_len - 1)
-            x_BxCxD = x_BxCxD + self.pos_embed(table_BxC).astype(jnp.float32)
+            x_BxCxM = x_BxCxM + self.pos_embed(table_BxC).astype(jnp.float32)
         layers = []
         for block, layer_cache in zip(self.blocks, cache.layers):
-            x_BxCxD, layer_cache = block.decode(
-                x_BxCxD, layer_cache, positions_BxC=positions_BxC, old_lengths_B=cache.lengths_B,
+            x_BxCxM, layer_cache = block.decode(
+                x_BxCxM, layer_cache, positions_BxC=positions_BxC, old_lengths_B=cache.lengths_B,
                 new_lengths_B=new_lengths_B, fresh=fresh,
                 decode_implementation=decode_implementation)
             layers.append(layer_cache)
         if logits_index_B is not None:
-            x_BxCxD = jnp.take_along_axis(x_BxCxD, logits_index_B[:, None, None], axis=1)
-        h_BxCxD = self.ln_f(x_BxCxD).astype(_dtype(cfg.compute_dtype))
+            x_BxCxM = jnp.take_along_axis(x_BxCxM, logits_index_B[:, None, None], axis=1)
+        h_BxCxM = self.ln_f(x_BxCxM).astype(_dtype(cfg.compute_dtype))
         if self.lm_head is None:
-            logits = self.embed.attend(h_BxCxD)
+            logits = self.embed.attend(h_BxCxM)
         else:
-            logits = self.lm_head(h_BxCxD)
+            logits = self.lm_head(h_BxCxM)
         logits = logits.astype(jnp.float32)
         if logits_index_B is not None:
             logits = logits[:, 0]
         return logits, KVCache(tuple(layers), new_lengths_B.astype(jnp.int32))
+
+
+def _run_block(block, x_BxTxM, positions, segment_ids, return_logit_stats):
+    return block(x_BxTxM, positions=positions, segment_ids=segment_ids,
+                 return_logit_stats=return_logit_stats)
 
 
 def count_params(model: nnx.Module) -> int:

@@ -80,6 +80,8 @@ class RunDir:
         with open(self.config_path) as f:
             old = json.load(f)
         new = cfg.to_dict()
+        old.pop("mesh", None)  # the mesh is not part of a run's identity: resume on another
+        new.pop("mesh", None)
         if old == new:
             return
         diffs = [f"{sec}.{k}: {old.get(sec, {}).get(k)!r} -> {v!r}"

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 from flax import nnx
 
+from ls_jax import sharding as sharding_lib
 from ls_jax.checkpoint import Checkpointer
-from ls_jax.config import Config
+from ls_jax.config import Config, MeshConfig
 from ls_jax.model import Transformer
 from ls_jax.optimizer import make_optimizer
 from ls_jax.rundir import RunDir
@@ -20,15 +24,22 @@ def create_model_and_optimizer(cfg: Config, *, seed: int | None = None):
 
 
 def abstract_train_state(cfg: Config):
-    """(graphdef, abstract state) of (model, optimizer) without allocating parameters."""
-    return nnx.split(nnx.eval_shape(lambda: create_model_and_optimizer(cfg)))
+    """(graphdef, abstract state) of (model, optimizer) without allocating parameters.
+
+    Built outside any mesh: the parameters' logical axis names stay metadata (ls_jax/sharding.py
+    maps them to mesh axes) instead of becoming shardings of the abstract values."""
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        return nnx.split(nnx.eval_shape(lambda: create_model_and_optimizer(cfg)))
 
 
 def restore_model(run: RunDir, step: int | None = None) -> tuple[Config, int, Transformer]:
     """(config, step, model) of checkpoint ``step`` (None: the latest) of a training run."""
-    cfg = run.load_config()
+    # placed data parallel on the devices here, whatever mesh the run trained on
+    cfg = dataclasses.replace(run.load_config(), mesh=MeshConfig())
     ckpt = Checkpointer(run, create=False)
     graphdef, abstract = abstract_train_state(cfg)
+    mesh = sharding_lib.make_mesh(cfg.mesh)
+    abstract = sharding_lib.with_shardings(abstract, sharding_lib.state_shardings(abstract, mesh))
     try:
         step, state = ckpt.restore(step, abstract)
     finally:

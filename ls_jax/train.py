@@ -1,4 +1,4 @@
-"""The training loop: jit-compiled data-parallel steps over a device mesh, with logging,
+"""The training loop: jit-compiled steps over a (data, fsdp, tensor) device mesh, with logging,
 evaluation, orbax checkpoints, automatic resume, SIGTERM handling and NaN stops.
 
 ``train(cfg, workdir)`` is what ``train.py`` runs; tests call it directly. It reads as its
@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 
 from ls_jax import data as data_lib
-from ls_jax import mesh as mesh_lib
+from ls_jax import sharding as sharding_lib
 from ls_jax.checkpoint import Checkpointer
 from ls_jax.config import Config
 from ls_jax.evaluate import evaluate_model
@@ -114,23 +114,24 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
       kill would; the same call again resumes. For tests and time-boxed jobs.
     stop_at_time: likewise, stop at the first step boundary after this ``time.time()``.
     """
-    check_train_config(cfg)
+    mesh = sharding_lib.make_mesh(cfg.mesh)
+    check_train_config(cfg, mesh)
     run = RunDir(workdir)
     is_main = jax.process_index() == 0
     if is_main:
         run.write_or_check_config(cfg)
-    mesh = mesh_lib.make_mesh()
     with jax.set_mesh(mesh):
         data_iter = iter(_train_dataset(cfg))
         ckpt = Checkpointer(run, keep=cfg.train.keep_checkpoints,
                             async_save=cfg.train.async_checkpoints)
         step_log = None
         try:
-            graphdef, state, start_step = _restore_or_init(cfg, mesh, ckpt, data_iter, log)
+            fns = compile_train_fns(cfg, mesh)
+            graphdef, state, start_step = _restore_or_init(cfg, mesh, fns, ckpt, data_iter, log)
             step_log = _StepLog(cfg, run, start_step, log, enabled=is_main)
             with _Stopper(stop_after_steps, stop_at_time) as stopper:
                 state, final_step, interrupted = _step_loop(
-                    cfg, mesh, graphdef, state, start_step, data_iter, ckpt, step_log, stopper, log)
+                    cfg, mesh, fns, state, start_step, data_iter, ckpt, step_log, stopper, log)
             eval_metrics = None
             if final_step == cfg.train.num_steps and not interrupted:
                 eval_metrics = _final_eval(cfg, graphdef, state, final_step, step_log, log)
@@ -145,17 +146,18 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
                        eval_metrics=eval_metrics, interrupted=interrupted)
 
 
-def check_train_config(cfg: Config) -> None:
-    """What only the running job can check: the batch split over its devices, the vocabulary
+def check_train_config(cfg: Config, mesh: jax.sharding.Mesh) -> None:
+    """What only the running job can check: the batch split over its mesh, the vocabulary
     against the tokenizer."""
     tcfg = cfg.train
-    n_dev = jax.device_count()
-    if tcfg.batch_size % n_dev:
-        raise ValueError(f"train.batch_size: expected a multiple of the device count {n_dev}, "
-                         f"got {tcfg.batch_size}")
-    if (tcfg.batch_size // tcfg.grad_accum_steps) % n_dev:
+    n_batch = sharding_lib.batch_divisor(mesh)  # the batch splits over data x fsdp
+    if tcfg.batch_size % n_batch:
+        raise ValueError(f"train.batch_size: expected a multiple of {n_batch} (mesh data x fsdp "
+                         f"of {dict(mesh.shape)}), got {tcfg.batch_size}")
+    if (tcfg.batch_size // tcfg.grad_accum_steps) % n_batch:
         raise ValueError(f"train.grad_accum_steps: each micro-batch (batch_size / grad_accum_steps"
-                         f" = {tcfg.batch_size // tcfg.grad_accum_steps}) must split over {n_dev} devices")
+                         f" = {tcfg.batch_size // tcfg.grad_accum_steps}) must split over "
+                         f"{n_batch} devices (mesh data x fsdp)")
     tokenizer = make_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"model.vocab_size: expected >= the tokenizer's vocabulary "
@@ -170,38 +172,59 @@ def _train_dataset(cfg: Config):
         seed=cfg.data.shuffle_seed, shard_index=jax.process_index(), shard_count=n_proc)
 
 
-def _restore_or_init(cfg: Config, mesh, ckpt: Checkpointer, data_iter, log):
-    """(graphdef, state, start step): the latest checkpoint (the data iterator restored in
-    place) if there is one, else a fresh initialisation."""
-    replicated = mesh_lib.replicated(mesh)
+@dataclasses.dataclass
+class TrainFns:
+    """The jitted functions of a run on a mesh, and where its state lives."""
+    graphdef: Any
+    abstract: Any  # abstract nnx.State of (model, optimizer)
+    state_sharding: Any  # the same tree with a NamedSharding per variable
+    init: Callable  # () -> state
+    steps: dict[bool, Callable]  # with_stats -> (state, global batch) -> (state, metrics)
+
+
+def compile_train_fns(cfg: Config, mesh: jax.sharding.Mesh) -> TrainFns:
+    """Parameters and optimizer moments split over fsdp (and tensor) by their logical axes,
+    the batch over data x fsdp, the metrics replicated; the state donated to each step. Each
+    function compiles on first use."""
     graphdef, abstract = abstract_train_state(cfg)
+    state_sharding = sharding_lib.state_shardings(abstract, mesh)
+    init = jax.jit(lambda: nnx.state(create_model_and_optimizer(cfg)),
+                   out_shardings=state_sharding)
+    steps = {with_stats: jax.jit(make_train_step(graphdef, cfg, with_stats=with_stats),
+                                 in_shardings=(state_sharding, sharding_lib.batch_sharding(mesh)),
+                                 out_shardings=(state_sharding, sharding_lib.replicated(mesh)),
+                                 donate_argnums=0)
+             for with_stats in (False, True)}
+    return TrainFns(graphdef, abstract, state_sharding, init, steps)
+
+
+def _restore_or_init(cfg: Config, mesh, fns: TrainFns, ckpt: Checkpointer, data_iter, log):
+    """(graphdef, state, start step): the latest checkpoint (the data iterator restored in
+    place) if there is one, else a fresh initialisation. A checkpoint written on any mesh is
+    restored straight into this run's shardings."""
     start_step = ckpt.latest_step() or 0
     if start_step:
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), abstract)
+        abstract = sharding_lib.with_shardings(fns.abstract, fns.state_sharding)
         _, state = ckpt.restore(start_step, abstract, data_iter)
         log(f"resumed from {ckpt.directory} at step {start_step}")
-        return graphdef, state, start_step
-    state = jax.jit(lambda: nnx.state(create_model_and_optimizer(cfg)), out_shardings=replicated)()
-    n_params = count_params(nnx.merge(graphdef, state)[0])
-    log(f"{cfg.name}: {n_params / 1e6:.2f}M parameters, {jax.device_count()} device(s), "
+        return fns.graphdef, state, start_step
+    state = fns.init()
+    n_params = count_params(nnx.merge(fns.graphdef, state)[0])
+    log(f"{cfg.name}: {n_params / 1e6:.2f}M parameters, {jax.device_count()} device(s) "
+        f"(mesh {dict(mesh.shape)}), {jax.process_count()} process(es), "
         f"attention implementation {cfg.model.attn_implementation or 'default'}")
-    return graphdef, state, 0
+    return fns.graphdef, state, 0
 
 
-def _step_loop(cfg: Config, mesh, graphdef, state, start_step: int, data_iter,
+def _step_loop(cfg: Config, mesh, fns: TrainFns, state, start_step: int, data_iter,
                ckpt: Checkpointer, step_log: "_StepLog", stopper: "_Stopper", log):
     """Runs steps until num_steps or a stop; returns (state, final step, interrupted)."""
     tcfg = cfg.train
-    replicated, data_sharding = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
-    step_fns = {with_stats: jax.jit(make_train_step(graphdef, cfg, with_stats=with_stats),
-                                    in_shardings=(replicated, data_sharding),
-                                    out_shardings=(replicated, replicated), donate_argnums=0)
-                for with_stats in (False, True)}  # each compiled on first use
+    graphdef, data_sharding = fns.graphdef, sharding_lib.batch_sharding(mesh)
     step, why_stop = start_step, None
     while step < tcfg.num_steps and why_stop is None:
-        batch = mesh_lib.global_batch(next(data_iter), data_sharding)
-        state, dev_metrics = step_fns[step_log.logs(step + 1)](state, batch)
+        batch = sharding_lib.global_batch(next(data_iter), data_sharding)
+        state, dev_metrics = fns.steps[step_log.logs(step + 1)](state, batch)
         step += 1
         step_log.record(step, dev_metrics)
         why_stop = stopper.after_step()
@@ -262,7 +285,15 @@ class _Stopper:
             signal.signal(sig, old)
 
     def after_step(self) -> str | None:
-        """The reason to stop now, or None."""
+        """The reason to stop now, or None. With several processes they agree: a SIGTERM
+        reaches hosts at different steps, and all stop (and save) at the first step after
+        any of them saw it."""
+        why = self._local_reason()
+        if sharding_lib.any_process(why is not None) and why is None:
+            why = "another process is stopping"
+        return why
+
+    def _local_reason(self) -> str | None:
         self._ran += 1
         if self.signum is not None:
             return f"signal {self.signum}"

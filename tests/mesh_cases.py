@@ -1,0 +1,199 @@
+"""Multi-device cases for tests/test_sharding.py, run in a subprocess whose XLA_FLAGS give it
+fake CPU devices (they must be set before JAX starts). ``python tests/mesh_cases.py CASE ARGS``
+prints one JSON line last."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def micro(*overrides):
+    from ls_jax.config import Config, DataConfig, ModelConfig, TrainConfig
+    cfg = Config(
+        name="micro",
+        # T=48: no weight has a dimension of 48, so an all-gather with one is an activation's
+        model=ModelConfig(vocab_size=256, n_layer=1, d_model=40, n_head=4, head_dim=8,
+                          n_global_heads=1, window=8, max_seq_len=64),
+        data=DataConfig(seq_len=48, shuffle_window=8, worker_threads=0, prefetch=0),
+        train=TrainConfig(batch_size=8, num_steps=3, lr=3e-3, warmup_steps=1, log_every=1,
+                          save_every=100, eval_batches=1, async_checkpoints=False,
+                          progress=False))
+    return cfg.override(list(overrides))
+
+
+def case_kernels(impls: str):
+    """case_kernel for each comma-separated backend, and a negative control for the gather
+    check: a step that does gather a batch-sharded q must be caught."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from ls_jax.kernels.sharded import qkv_gathers
+    out = {impl: case_kernel(impl) for impl in impls.split(",")}
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    q = jax.device_put(jnp.ones((8, 40, 4, 8)), NamedSharding(mesh, P("data")))
+    gather = jax.jit(lambda q: jnp.sum(
+        jax.lax.with_sharding_constraint(q, NamedSharding(mesh, P())), axis=0))
+    out["control_gathers"] = len(qkv_gathers(gather.lower(q).compile().as_text(), 40, 4, 8))
+    return out
+
+
+def case_kernel(impl: str):
+    """ls_attention_sharded on a data x tensor mesh against ls_attention on one device: output,
+    logit statistics and gradients; every head shard holds a different window slice."""
+    from ls_jax.config import MeshConfig
+    from ls_jax.kernels import ls_attention
+    from ls_jax.kernels.sharded import ls_attention_sharded
+    from ls_jax.sharding import make_mesh
+    interpret = impl != "reference"
+    B, T, H, D = 4, 32, 4, 8
+    windows = (None, 3, 8, 16)  # tensor=4: one head per shard, four different windows
+    kq, kk, kv, kd = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(kq, (B, T, H, D))
+    k = jax.random.normal(kk, (B, T, 2, D))  # GQA: 2 kv heads
+    v = jax.random.normal(kv, (B, T, 2, D))
+    do = jax.random.normal(kd, (B, T, H, D))
+    seg = jnp.asarray(np.repeat([[0] * 20 + [1] * 12], B, axis=0), jnp.int32)
+    out = {}
+    meshes = [("tensor2", MeshConfig(data=4, tensor=2)), ("tensor4", MeshConfig(data=2, tensor=4))]
+    if interpret:  # slow in interpret mode: the GQA mesh only (its two shards differ too)
+        meshes = meshes[:1]
+    for name, mcfg in meshes:
+        if name == "tensor4":  # kv heads (2) do not split 4 ways: expand them for this mesh
+            k_, v_ = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+        else:
+            k_, v_ = k, v
+
+        def loss(q, k, v, fn):
+            o, stats = fn(q, k, v, windows, segment_ids=seg, return_logit_stats=True,
+                          implementation=impl, interpret=interpret)
+            return jnp.sum(o * do), (o, stats.max_abs_logit)
+
+        grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+        (_, (o0, m0)), g0 = jax.jit(grad, static_argnums=3)(q, k_, v_, ls_attention)
+        mesh = make_mesh(mcfg)
+        with jax.set_mesh(mesh):
+            (_, (o1, m1)), g1 = jax.jit(grad, static_argnums=3)(q, k_, v_, ls_attention_sharded)
+        out[name] = {
+            "out": float(jnp.max(jnp.abs(o0 - o1))),
+            "stats": float(jnp.max(jnp.abs(m0 - m1))),
+            "grads": max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(g0, g1)),
+            "out_spec": str(o1.sharding.spec),
+        }
+    return out
+
+
+def _spec(x):
+    return tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+
+
+def _batches(n_steps: int, batch: int, seq_len: int):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, size=(n_steps, batch, seq_len + 1), dtype=np.int32)
+    return [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
+
+
+def case_train(impl: str, meshes: str):
+    """Losses of 3 steps of the run's jitted step (ls_jax.train.compile_train_fns) on each mesh
+    ("DxFxT"); on the last mesh also the shardings of params, optimizer state and batch, and
+    the all-gathers of activations in the compiled step."""
+    from flax import nnx
+
+    from ls_jax import sharding as sharding_lib
+    from ls_jax.kernels.sharded import qkv_gathers
+    from ls_jax.train import compile_train_fns
+    extra = [f"model.attn_implementation={impl}"]
+    if impl.startswith("pallas"):  # the model's kernel calls in Pallas interpret mode (CPU)
+        import functools
+
+        from ls_jax import attention
+        from ls_jax.kernels.sharded import ls_attention_sharded
+        attention.ls_attention_sharded = functools.partial(ls_attention_sharded, interpret=True)
+    out = {"devices": jax.device_count(), "losses": {}}
+    mesh_specs = meshes.split(",")
+    for mesh_spec in mesh_specs:
+        d, f, t = mesh_spec.split("x")
+        cfg = micro(f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.tensor={t}", *extra)
+        mesh = sharding_lib.make_mesh(cfg.mesh)
+        with jax.set_mesh(mesh):
+            fns = compile_train_fns(cfg, mesh)
+            state = fns.init()
+            losses = []
+            for batch_np in _batches(3, cfg.train.batch_size, cfg.data.seq_len):
+                batch = sharding_lib.global_batch(batch_np, sharding_lib.batch_sharding(mesh))
+                state, metrics = fns.steps[True](state, batch)
+                losses.append(float(metrics["loss"]))
+            if mesh_spec == mesh_specs[-1]:
+                hlo = fns.steps[True].lower(state, batch).compile().as_text()
+        out["losses"][mesh_spec] = losses
+    model_state, opt_state = state[0], state[1]
+    blk = model_state["blocks"][0]
+    mu = [v for p, v in nnx.to_flat_state(opt_state)
+          if {"mu", "q_proj", "kernel"} <= set(map(str, p))]
+    out["specs"] = {
+        "q_proj": _spec(blk["attn"]["q_proj"]["kernel"].get_value()),
+        "o_proj": _spec(blk["attn"]["o_proj"]["kernel"].get_value()),
+        "fc": _spec(blk["mlp"]["fc"]["kernel"].get_value()),
+        "embed": _spec(model_state["embed"]["embedding"].get_value()),
+        "ln": _spec(blk["ln1"]["scale"].get_value()),
+        "mu_q_proj": _spec(mu[0].get_value()) if mu else None,
+        "batch": _spec(batch["inputs"]),
+    }
+    out["gathers"] = qkv_gathers(hlo, cfg.data.seq_len, cfg.model.n_head, cfg.model.head_dim)
+    return out
+
+
+def _digest(state) -> str:
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(state):
+        h.update(np.asarray(jax.device_get(leaf)).tobytes())
+    return h.hexdigest()
+
+
+def case_restore(workdir: str, stop_after: str):
+    """Trains micro in ``workdir`` (resuming if it holds a checkpoint), stopping after
+    ``stop_after`` steps (0: run to the end); reports the losses and a digest of the state
+    restored from the checkpoint it resumed from."""
+    from ls_jax import sharding as sharding_lib
+    from ls_jax.checkpoint import Checkpointer
+    from ls_jax.train import compile_train_fns, train
+    cfg = micro("train.num_steps=4")
+    ckpt = Checkpointer(workdir)
+    start = ckpt.latest_step()
+    digest = None
+    if start:
+        mesh = sharding_lib.make_mesh(cfg.mesh)
+        with jax.set_mesh(mesh):
+            fns = compile_train_fns(cfg, mesh)
+            _, state = ckpt.restore(start, sharding_lib.with_shardings(fns.abstract,
+                                                                       fns.state_sharding))
+        digest = _digest(state)
+    ckpt.close()
+    r = train(cfg, workdir, stop_after_steps=int(stop_after) or None, log=lambda m: None)
+    return {"devices": jax.device_count(), "start": r.start_step, "final": r.final_step,
+            "losses": {str(k): v for k, v in r.losses.items()}, "digest": digest}
+
+
+def case_multiprocess(workdir: str, process_id: str, port: str, stop_after: str):
+    """One of two processes on localhost (jax.distributed); trains until stopped (or for
+    ``stop_after`` steps when not 0)."""
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2,
+                               process_id=int(process_id))
+    from ls_jax.train import train
+    cfg = micro("train.num_steps=400", "train.save_every=1000")
+
+    def log(msg):
+        print(msg, flush=True)
+
+    r = train(cfg, workdir, log=log, stop_after_steps=int(stop_after) or None)
+    return {"process": jax.process_index(), "start": r.start_step, "final": r.final_step,
+            "interrupted": r.interrupted, "devices": jax.device_count()}
+
+
+if __name__ == "__main__":
+    result = globals()[f"case_{sys.argv[1]}"](*sys.argv[2:])
+    print(json.dumps(result), flush=True)

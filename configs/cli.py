@@ -12,7 +12,18 @@ from ls_jax.checkpoint import CheckpointError
 from ls_jax.configs import get_config
 from ls_jax.evaluate import evaluate_checkpoint
 from ls_jax.mesh import maybe_initialize_distributed
+from ls_jax.rundir import WorkdirLocked
 from ls_jax.train import TrainingDiverged, train
+
+# Errors a user can cause or fix (bad input, a locked or damaged run directory, a full disk, a
+# diverged run): one line on stderr and a non-zero exit; anything else is a bug (traceback).
+EXPECTED_ERRORS = (ValueError, OSError, ImportError, CheckpointError, WorkdirLocked,
+                   TrainingDiverged)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"error: {text or type(e).__name__}"
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -25,6 +36,8 @@ def train_main(argv: list[str] | None = None) -> int:
                              "Rerunning the same command resumes from its latest checkpoint.")
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() (multi-host TPU/GPU)")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error instead of one line")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides, e.g. train.lr=1e-3 model.window=64")
     args = parser.parse_args(argv)
@@ -36,9 +49,17 @@ def train_main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or f"runs/{cfg.name}"
     try:
         result = train(cfg, workdir)
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
+    except EXPECTED_ERRORS as e:
+        if args.debug:
+            raise
+        print(_one_line(e), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped without saving
+        if args.debug:
+            raise
+        print(f"error: interrupted twice; stopped without saving (rerun to resume from the last "
+              f"checkpoint in {workdir})", file=sys.stderr)
+        return 130
     print(f"done: step {result.final_step} in {workdir}"
           + (" (interrupted; rerun the same command to resume)" if result.interrupted else ""))
     return 0
@@ -54,15 +75,22 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batches", type=int, default=None, help="cap on batches (default: all)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: training's")
     parser.add_argument("--output", default=None, help="JSON output path")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error instead of one line")
     args = parser.parse_args(argv)
     try:
         result = evaluate_checkpoint(args.checkpoint, step=args.step, split=args.split,
                                      seq_len=args.seq_len, max_batches=args.max_batches,
                                      batch_size=args.batch_size, output=args.output)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except EXPECTED_ERRORS as e:
+        if args.debug:
+            raise
+        print(_one_line(e), file=sys.stderr)
         return 2
     print(format_eval(result))
+    if result.get("output_error"):
+        print(f"error: {result['output_error']}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -78,5 +106,6 @@ def format_eval(r: dict) -> str:
     ]
     for l, row in enumerate(r["attn_max_abs_logit"]):
         lines.append(f"  layer {l}: " + "  ".join(f"{v:8.3f}" for v in row))
-    lines.append(f"written to {r['output']}")
+    if r.get("output"):
+        lines.append(f"written to {r['output']}")
     return "\n".join(lines)

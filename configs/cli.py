@@ -54,11 +54,11 @@ def train_main(argv: list[str] | None = None) -> int:
             raise
         print(_one_line(e), file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # a second Ctrl-C: stopped without saving
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the first step: no save
         if args.debug:
             raise
-        print(f"error: interrupted twice; stopped without saving (rerun to resume from the last "
-              f"checkpoint in {workdir})", file=sys.stderr)
+        print(f"error: interrupted without saving; rerun the same command to resume from the "
+              f"last checkpoint in {workdir}", file=sys.stderr)
         return 130
     print(f"done: step {result.final_step} in {workdir}"
           + (" (interrupted; rerun the same command to resume)" if result.interrupted else ""))

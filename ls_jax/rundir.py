@@ -34,7 +34,8 @@ LOCK_FILE = ".lock"
 DAMAGED_SUBDIR = "damaged_checkpoints"
 
 # Fields that do not change what a run computes: they may change when a run resumes (each
-# change is logged). Every other field fixes the run's identity.
+# change is logged). Every other field fixes the run's identity. (num_steps is here so a run can
+# be extended; with train.decay_steps=None the decay follows it, which its log line says.)
 NON_IDENTITY_FIELDS = {
     "train": ("num_steps", "log_every", "eval_every", "eval_batches", "save_every",
               "keep_checkpoints", "async_checkpoints", "progress"),
@@ -118,7 +119,11 @@ class RunDir:
                 f"workdir: {self.path} holds a run with a different config ({'; '.join(refused)}); "
                 f"use a new workdir or the same config to resume")
         for change in allowed:
-            log(f"resume: {change} (does not change what is computed)")
+            if change.startswith("train.num_steps:") and new["train"].get("decay_steps") is None:
+                log(f"resume: {change} (the learning-rate decay ends at num_steps when "
+                    f"train.decay_steps is None: the steps from here on follow the new schedule)")
+            else:
+                log(f"resume: {change} (does not change what is computed)")
 
     def write_config(self, cfg: Config) -> None:
         """Saves the resolved config (after ``check_config`` and every other check passed, so a

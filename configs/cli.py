@@ -6,7 +6,9 @@ It sits above the library: it resolves named configs (this package) and calls ``
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import warnings
 
 from ls_jax.checkpoint import CheckpointError
 from ls_jax.configs import get_config
@@ -19,6 +21,24 @@ from ls_jax.train import TrainingDiverged, train
 # diverged run): one line on stderr and a non-zero exit; anything else is a bug (traceback).
 EXPECTED_ERRORS = (ValueError, OSError, ImportError, CheckpointError, WorkdirLocked,
                    TrainingDiverged)
+
+
+class _NoTraceback(logging.Filter):
+    """Drops the traceback of a library's log record (orbax logs one for a failed async save);
+    the record's own line stays, and the CLI's one ``error:`` line names the cause."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+def quiet_library_tracebacks() -> None:
+    """Without ``--debug``: library log records (absl: orbax, grain) without tracebacks, and no
+    warning about the never-awaited writes of an aborted save."""
+    logger = logging.getLogger("absl")
+    if not any(isinstance(f, _NoTraceback) for f in logger.filters):
+        logger.addFilter(_NoTraceback())
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited")
 
 
 def _one_line(e: BaseException) -> str:
@@ -46,6 +66,8 @@ def train_main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     maybe_initialize_distributed(args.distributed)
+    if not args.debug:
+        quiet_library_tracebacks()
     workdir = args.workdir or f"runs/{cfg.name}"
     try:
         result = train(cfg, workdir)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import grain
 import jax
@@ -359,3 +360,24 @@ def test_ctrl_c_saves_and_exits_zero(tmp_path):
     steps = ckpt.all_steps()
     ckpt.close()
     assert len(steps) == 1 and steps[0] >= 2
+
+
+def test_library_log_records_lose_their_tracebacks_without_debug(capsys):
+    import logging
+    from ls_jax.configs.cli import quiet_library_tracebacks
+    logger = logging.getLogger("absl")
+    handler = logging.StreamHandler(sys.stderr)
+    logger.addHandler(handler)
+    before = list(logger.filters)
+    try:
+        with warnings.catch_warnings():
+            quiet_library_tracebacks()
+            try:
+                raise OSError(28, "No space left on device")
+            except OSError:
+                logger.exception("save raised an exception: [Errno 28] No space left on device")
+    finally:
+        logger.removeHandler(handler)
+        logger.filters[:] = before
+    err = capsys.readouterr().err
+    assert err == "save raised an exception: [Errno 28] No space left on device\n"

@@ -100,6 +100,8 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error instead of one line")
     args = parser.parse_args(argv)
+    if not args.debug:
+        quiet_library_tracebacks()
     try:
         result = evaluate_checkpoint(args.checkpoint, step=args.step, split=args.split,
                                      seq_len=args.seq_len, max_batches=args.max_batches,

@@ -92,7 +92,7 @@ class FakeBar:
 
 # -- item 1 + 5 + 8 + 3 + issue 12: one run directory through its life ------------------------
 
-def test_run_directory_lifecycle(tmp_path, monkeypatch):
+def test_run_directory_lifecycle(tmp_path, monkeypatch, capsys):
     run = str(tmp_path / "run")
     # a failed start (no such files) leaves no config.json: the corrected command is not refused
     with pytest.raises(FileNotFoundError, match="no files match the glob"):
@@ -150,6 +150,15 @@ def test_run_directory_lifecycle(tmp_path, monkeypatch):
     assert len(warning) == 1 and "step 4" in warning[0] and "resuming from step 2" in warning[0]
     assert fourth.start_step == 2 and fourth.losses == second.losses
     assert os.path.isdir(os.path.join(run, "damaged_checkpoints", "4", "state"))
+
+    # eval.py whose JSON cannot be written (as in a read-only run directory): numbers printed,
+    # then one error line, non-zero exit
+    capsys.readouterr()
+    out_path = str(tmp_path / "no_such_dir" / "e.json")
+    assert eval_main(["--checkpoint", run, "--max-batches", "1", "--output", out_path]) == 2
+    captured = capsys.readouterr()
+    assert "perplexity" in captured.out
+    assert captured.err.count("\n") == 1 and f"could not write {out_path}" in captured.err
 
 
 # -- item 2: both splits before step 1 ----------------------------------------------------------
@@ -299,17 +308,6 @@ def test_train_cli_errors_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no files match the glob" in err
     assert not os.path.exists(tmp_path / "m" / "config.json")
-
-
-def test_eval_output_that_cannot_be_written(tmp_path, capsys):
-    train(micro_config("train.num_steps=1", "train.save_every=1"), str(tmp_path), log=print)
-    capsys.readouterr()
-    out_path = str(tmp_path / "no_such_dir" / "e.json")
-    assert eval_main(["--checkpoint", str(tmp_path), "--max-batches", "1",
-                      "--output", out_path]) == 2
-    captured = capsys.readouterr()
-    assert "perplexity" in captured.out  # the numbers are printed
-    assert captured.err.count("\n") == 1 and f"could not write {out_path}" in captured.err
 
 
 # -- issue 12: the non-identity fields --------------------------------------------------------

@@ -6,13 +6,44 @@ It sits above the library: it resolves named configs (this package) and calls ``
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import warnings
 
 from ls_jax.checkpoint import CheckpointError
 from ls_jax.configs import get_config
 from ls_jax.evaluate import evaluate_checkpoint
+from ls_jax.rundir import WorkdirLocked
 from ls_jax.sharding import maybe_initialize_distributed
 from ls_jax.train import TrainingDiverged, train
+
+# Errors a user can cause or fix (bad input, a locked or damaged run directory, a full disk, a
+# diverged run): one line on stderr and a non-zero exit; anything else is a bug (traceback).
+EXPECTED_ERRORS = (ValueError, OSError, ImportError, CheckpointError, WorkdirLocked,
+                   TrainingDiverged)
+
+
+class _NoTraceback(logging.Filter):
+    """Drops the traceback of a library's log record (orbax logs one for a failed async save);
+    the record's own line stays, and the CLI's one ``error:`` line names the cause."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+def quiet_library_tracebacks() -> None:
+    """Without ``--debug``: library log records (absl: orbax, grain) without tracebacks, and no
+    warning about the never-awaited writes of an aborted save."""
+    logger = logging.getLogger("absl")
+    if not any(isinstance(f, _NoTraceback) for f in logger.filters):
+        logger.addFilter(_NoTraceback())
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited")
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"error: {text or type(e).__name__}"
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -25,6 +56,8 @@ def train_main(argv: list[str] | None = None) -> int:
                              "Rerunning the same command resumes from its latest checkpoint.")
     parser.add_argument("--distributed", action="store_true",
                         help="call jax.distributed.initialize() (multi-host TPU/GPU)")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error instead of one line")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides, e.g. train.lr=1e-3 model.window=64")
     args = parser.parse_args(argv)
@@ -33,12 +66,22 @@ def train_main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     maybe_initialize_distributed(args.distributed)
+    if not args.debug:
+        quiet_library_tracebacks()
     workdir = args.workdir or f"runs/{cfg.name}"
     try:
         result = train(cfg, workdir)
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
+    except EXPECTED_ERRORS as e:
+        if args.debug:
+            raise
+        print(_one_line(e), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before the first step: no save
+        if args.debug:
+            raise
+        print(f"error: interrupted without saving; rerun the same command to resume from the "
+              f"last checkpoint in {workdir}", file=sys.stderr)
+        return 130
     print(f"done: step {result.final_step} in {workdir}"
           + (" (interrupted; rerun the same command to resume)" if result.interrupted else ""))
     return 0
@@ -54,15 +97,24 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batches", type=int, default=None, help="cap on batches (default: all)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: training's")
     parser.add_argument("--output", default=None, help="JSON output path")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error instead of one line")
     args = parser.parse_args(argv)
+    if not args.debug:
+        quiet_library_tracebacks()
     try:
         result = evaluate_checkpoint(args.checkpoint, step=args.step, split=args.split,
                                      seq_len=args.seq_len, max_batches=args.max_batches,
                                      batch_size=args.batch_size, output=args.output)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except EXPECTED_ERRORS as e:
+        if args.debug:
+            raise
+        print(_one_line(e), file=sys.stderr)
         return 2
     print(format_eval(result))
+    if result.get("output_error"):
+        print(f"error: {result['output_error']}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -78,5 +130,6 @@ def format_eval(r: dict) -> str:
     ]
     for l, row in enumerate(r["attn_max_abs_logit"]):
         lines.append(f"  layer {l}: " + "  ".join(f"{v:8.3f}" for v in row))
-    lines.append(f"written to {r['output']}")
+    if r.get("output"):
+        lines.append(f"written to {r['output']}")
     return "\n".join(lines)

@@ -1,22 +1,69 @@
-"""Orbax checkpoints of a training run: model + optimizer state (with its step) and the grain
-data iterator, saved together as one ``ocp.args.Composite`` per step.
+"""Orbax checkpoints of a training run: model + optimizer state (with its step), the grain data
+iterator and a checksum of every state array, saved together as one ``ocp.args.Composite`` per
+step.
 
-Each step is ``<workdir>/checkpoints/<step>/{state/, data/}`` (``RunDir.checkpoint_dir``),
-written by orbax (async, keep-last-N).
+Each step is ``<workdir>/checkpoints/<step>/{state/, data/, checksums/}``
+(``RunDir.checkpoint_dir``), written by orbax (async, keep-last-N). A restore recomputes the
+checksums (and checks every float array is finite); ``restore_latest_intact`` falls back to the
+newest step that passes and moves damaged newer steps aside (``RunDir.damaged_checkpoint_dir``),
+never deleting them. A failed save raises ``CheckpointError`` naming the cause at the next
+``save`` or ``check_for_errors`` and leaves no partial (tmp) directory behind.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+import shutil
+from typing import Any, Callable
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from ls_jax.rundir import CHECKPOINT_SUBDIR, RunDir
 
+_TMP_MARKER = ".orbax-checkpoint-tmp"
+
 
 class CheckpointError(RuntimeError):
-    """A checkpoint directory that is missing, empty or unreadable."""
+    """A checkpoint directory that is missing, empty, unreadable or damaged, or a failed save."""
+
+
+def _leaf_checksum(x):
+    """Sum mod 2**32 of the array's bits (exact, independent of reduction order)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        x = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+    return jnp.sum(x.astype(jnp.uint32), dtype=jnp.uint32)
+
+
+@jax.jit
+def _checksums_and_finite(state):
+    leaves = jax.tree.leaves(state)
+    sums = [_leaf_checksum(x) for x in leaves]
+    finite = [jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.floating) else jnp.bool_(True)
+              for x in leaves]
+    return sums, finite
+
+
+def state_checksums(state) -> tuple[dict[str, int], list[str]]:
+    """({array path: checksum}, [paths of float arrays holding NaN/inf]) of a state pytree."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    sums, finite = jax.device_get(_checksums_and_finite(state))
+    return ({p: int(s) for p, s in zip(paths, sums)},
+            [p for p, ok in zip(paths, finite) if not bool(ok)])
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost cause of ``e`` as one line ("OSError: [Errno 28] No space left...")."""
+    seen = set()
+    while id(e) not in seen and (e.__cause__ or e.__context__) is not None:
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 class Checkpointer:
@@ -28,15 +75,17 @@ class Checkpointer:
 
     def __init__(self, run: RunDir | str, *, keep: int = 3, async_save: bool = True,
                  create: bool = True):
-        run = run if isinstance(run, RunDir) else RunDir(run)
-        self.directory = run.checkpoint_dir
+        self.run = run if isinstance(run, RunDir) else RunDir(run)
+        self.directory = self.run.checkpoint_dir
         if not create and not os.path.isdir(self.directory):
             raise CheckpointError(
                 f"checkpoint: expected a run directory holding '{CHECKPOINT_SUBDIR}/', but "
                 f"{self.directory} does not exist")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=create, enable_async_checkpointing=async_save)
+            max_to_keep=keep, create=create, enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=create)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._failed = False
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -44,15 +93,49 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
+    # -- saving -------------------------------------------------------------------------------
     def save(self, step: int, state: Any, data_iterator: Any | None = None) -> None:
-        items = {"state": ocp.args.StandardSave(state)}
+        """Starts saving ``step`` (async unless disabled). Raises ``CheckpointError`` if this or
+        an earlier async save failed."""
+        self.check_for_errors()
+        checksums, _ = state_checksums(state)
+        items = {"state": ocp.args.StandardSave(state),
+                 "checksums": ocp.args.JsonSave(checksums)}
         if data_iterator is not None:
             import grain
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        try:
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:
+            self._save_failed(e, step)
 
+    def check_for_errors(self) -> None:
+        """Raises ``CheckpointError`` (one line naming the cause) if an async save failed."""
+        try:
+            self._manager.check_for_errors()
+        except Exception as e:
+            self._save_failed(e, None)
+
+    def _save_failed(self, e: BaseException, step: int | None):
+        self._failed = True
+        self._remove_tmp_dirs()
+        what = f"step {step}" if step is not None else "a checkpoint"
+        raise CheckpointError(f"checkpoint: saving {what} to {self.directory} failed "
+                              f"({_root_cause(e)}); the run stopped, earlier checkpoints are "
+                              f"intact") from e
+
+    def _remove_tmp_dirs(self) -> None:
+        """Partial directories of unfinished saves (never a finished step)."""
+        if not os.path.isdir(self.directory):
+            return
+        for name in os.listdir(self.directory):
+            if _TMP_MARKER in name:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    # -- restoring ----------------------------------------------------------------------------
     def restore(self, step: int | None, abstract_state: Any, data_iterator: Any | None = None):
-        """Restores ``state`` (and the iterator in place) at ``step`` (None: the latest)."""
+        """Restores ``state`` (and the iterator in place) at ``step`` (None: the latest) and
+        verifies it; a damaged step raises ``CheckpointError``."""
         steps = self.all_steps()
         if not steps:
             raise CheckpointError(
@@ -63,7 +146,11 @@ class Checkpointer:
         if step not in steps:
             raise CheckpointError(
                 f"checkpoint: expected a step in {steps} for {self.directory}, got {step}")
+        step_dir = os.path.join(self.directory, str(step))
+        has_checksums = os.path.isdir(os.path.join(step_dir, "checksums"))
         items = {"state": ocp.args.StandardRestore(abstract_state)}
+        if has_checksums:
+            items["checksums"] = ocp.args.JsonRestore()
         if data_iterator is not None:
             import grain
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
@@ -72,9 +159,68 @@ class Checkpointer:
         except Exception as e:  # orbax raises many types for damaged directories
             raise CheckpointError(
                 f"checkpoint: step {step} in {self.directory} could not be restored (truncated or "
-                f"damaged?): {type(e).__name__}: {e}") from e
-        return step, restored["state"]
+                f"damaged?): {_root_cause(e)}") from e
+        state = restored["state"]
+        sums, non_finite = state_checksums(state)
+        if has_checksums:
+            expected = dict(restored["checksums"])
+            bad = [p for p in expected if sums.get(p) != expected[p]]
+            if bad or set(sums) != set(expected):
+                raise CheckpointError(
+                    f"checkpoint: step {step} in {self.directory} is damaged: checksum mismatch "
+                    f"in {len(bad)} array(s), first {bad[:1]}")
+        if non_finite:
+            raise CheckpointError(
+                f"checkpoint: step {step} in {self.directory} is damaged: non-finite values in "
+                f"{len(non_finite)} array(s), first {non_finite[0]}")
+        return step, state
+
+    def restore_latest_intact(self, abstract_state: Any, data_iterator: Any | None = None,
+                              log: Callable[[str], None] = print):
+        """(step, state) of the newest step that restores and verifies, or (None, None) if
+        there is no checkpoint. Each damaged newer step gets a one-line warning and is moved to
+        ``RunDir.damaged_checkpoint_dir`` (kept, so a new save of that step is possible)."""
+        steps = self.all_steps()
+        if not steps:
+            return None, None
+        damaged = []
+        for step in reversed(steps):
+            try:
+                step, state = self.restore(step, abstract_state, data_iterator)
+            except CheckpointError as e:
+                damaged.append((step, e))
+                continue
+            for bad_step, err in damaged:
+                dest = self._move_aside(bad_step)
+                log(f"warning: {err}; moved to {dest}, resuming from step {step}")
+            if damaged:
+                self._manager.reload()
+            return step, state
+        raise CheckpointError(
+            f"checkpoint: no intact checkpoint in {self.directory} (steps {steps} are all "
+            f"damaged; newest: {damaged[0][1]}); nothing was moved or deleted")
+
+    def _move_aside(self, step: int) -> str:
+        os.makedirs(self.run.damaged_checkpoint_dir, exist_ok=True)
+        dest = os.path.join(self.run.damaged_checkpoint_dir, str(step))
+        n = 1
+        while os.path.exists(dest):
+            dest = os.path.join(self.run.damaged_checkpoint_dir, f"{step}.{n}")
+            n += 1
+        os.replace(os.path.join(self.directory, str(step)), dest)
+        return dest
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for a pending save; raises ``CheckpointError`` if it failed (once)."""
+        reported = self._failed
+        try:
+            self._manager.wait_until_finished()
+            self.check_for_errors()
+        except CheckpointError:
+            if not reported:
+                raise
+        except Exception as e:
+            if not reported:
+                self._save_failed(e, None)
+        finally:
+            self._manager.close()

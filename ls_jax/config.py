@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from typing import Any
@@ -35,8 +36,8 @@ def _check_choice(section, key, value, choices):
 
 
 def _check_float(section, key, value, lo=None, hi=None, lo_open=False):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _fail(section, key, "a number", value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _fail(section, key, "a finite number", value)
     if lo is not None and (value <= lo if lo_open else value < lo):
         _fail(section, key, f"a number {'>' if lo_open else '>='} {lo}", value)
     if hi is not None and value > hi:

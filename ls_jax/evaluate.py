@@ -124,7 +124,8 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, split: str | N
     """Restores ``step`` (default: latest) of the run in ``workdir`` and evaluates it.
 
     Writes the result as JSON to ``output`` (default ``RunDir.eval_path``:
-    ``<workdir>/eval_step<step>_<split>_T<seq_len>.json``).
+    ``<workdir>/eval_step<step>_<split>_T<seq_len>.json``). If that cannot be written, the
+    result has ``output=None`` and ``output_error`` says why.
     """
     run = RunDir(workdir)
     cfg, step, model = restore_model(run, step)
@@ -132,7 +133,13 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, split: str | N
               **evaluate_model(model, cfg, split=split, seq_len=seq_len, max_batches=max_batches,
                                batch_size=batch_size)}
     output = output or run.eval_path(step, result["split"], result["seq_len"])
-    with open(output, "w") as f:
-        json.dump(result, f, indent=2)
+    try:
+        with open(output, "w") as f:
+            json.dump(result, f, indent=2)
+    except OSError as e:  # e.g. a read-only run directory: the numbers are still returned
+        result["output"] = None
+        result["output_error"] = (f"output: could not write {output} ({e.strerror or e}); "
+                                  f"pass --output with a writable path")
+        return result
     result["output"] = output
     return result

@@ -52,7 +52,8 @@ class MetricsWriter:
     ``RunDir.metrics_path`` and ``RunDir.tensorboard_dir``).
 
     ``resume_step``: records of steps after it (logged by a run that was killed before its next
-    checkpoint) are dropped, so a resumed run does not log those steps twice. Without it, an
+    checkpoint) are dropped (in the JSONL file and TensorBoard alike; those of ``resume_step``
+    itself stay), so a resumed run does not log those steps twice. Without it, an
     existing log is moved aside to ``<path>.old`` (a fresh run keeps, but does not mix, old logs).
     """
 
@@ -63,8 +64,10 @@ class MetricsWriter:
         self._tb = None
         if not enabled:
             return
+        self.records: list[dict] = []  # the records kept from an earlier run (on resume)
         if resume_step is not None and os.path.exists(self.path):
             kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
+            self.records = kept
             tmp = self.path + ".tmp"
             with open(tmp, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
@@ -74,7 +77,13 @@ class MetricsWriter:
         self._file = open(self.path, "a")
         if tensorboard_dir is not None:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(tensorboard_dir, purge_step=resume_step)
+            # events after the resumed step are dropped; the resumed step's own are kept
+            purge = None if resume_step is None else resume_step + 1
+            self._tb = SummaryWriter(tensorboard_dir, purge_step=purge)
+
+    def has_record(self, step: int, key: str) -> bool:
+        """Whether a kept record of ``step`` holds ``key`` (e.g. a finished run's final eval)."""
+        return any(r.get("step") == step and key in r for r in self.records)
 
     def write(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
         if not self.enabled:

@@ -9,15 +9,19 @@ Layout of ``<workdir>`` (``train.py --workdir``, ``eval.py --checkpoint``)::
     tensorboard/                      the same numbers as TensorBoard event files
     eval_step<S>_<split>_T<T>.json    eval.py's results
     status.json                       the state of a run driven by an experiment
+    .lock                             held (flock) by the training run using the directory
+    damaged_checkpoints/<step>/       checkpoints that failed verification, moved aside (kept)
 
 Every other module asks a ``RunDir`` for these paths instead of joining names itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from ls_jax.config import Config
 
@@ -26,6 +30,20 @@ CHECKPOINT_SUBDIR = "checkpoints"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_SUBDIR = "tensorboard"
 STATUS_FILE = "status.json"
+LOCK_FILE = ".lock"
+DAMAGED_SUBDIR = "damaged_checkpoints"
+
+# Fields that do not change what a run computes: they may change when a run resumes (each
+# change is logged). Every other field fixes the run's identity. (num_steps is here so a run can
+# be extended; with train.decay_steps=None the decay follows it, which its log line says.)
+NON_IDENTITY_FIELDS = {
+    "train": ("num_steps", "log_every", "eval_every", "eval_batches", "save_every",
+              "keep_checkpoints", "async_checkpoints", "progress"),
+}
+
+
+class WorkdirLocked(RuntimeError):
+    """Another live process is training in the same run directory."""
 
 
 def _write_atomically(path: str, text: str) -> None:
@@ -66,40 +84,113 @@ class RunDir:
     def status_path(self) -> str:
         return os.path.join(self.path, STATUS_FILE)
 
+    @property
+    def lock_path(self) -> str:
+        return os.path.join(self.path, LOCK_FILE)
+
+    @property
+    def damaged_checkpoint_dir(self) -> str:
+        return os.path.join(os.path.abspath(self.path), DAMAGED_SUBDIR)
+
     def eval_path(self, step: int, split: str, seq_len: int) -> str:
         return os.path.join(self.path, f"eval_step{step}_{split}_T{seq_len}.json")
 
     # -- config.json: the run's identity ---------------------------------------------------------
-    def write_or_check_config(self, cfg: Config) -> None:
-        """Saves the resolved config; a directory that already holds one must hold the same
-        config (no silent mixing of two runs in one directory)."""
-        os.makedirs(self.path, exist_ok=True)
+    def check_config(self, cfg: Config, log: Callable[[str], None] = print) -> None:
+        """Checks ``cfg`` against the config the directory already holds (if any); writes
+        nothing. Changes to ``NON_IDENTITY_FIELDS`` are logged, one line each; any other change
+        raises ``ValueError`` with the diff (no silent mixing of two runs in one directory)."""
         if not os.path.exists(self.config_path):
-            _write_atomically(self.config_path, cfg.to_json())
             return
-        with open(self.config_path) as f:
-            old = json.load(f)
-        new = cfg.to_dict()
+        old, new = self._read_config_dict(), cfg.to_dict()
         old.pop("mesh", None)  # the mesh is not part of a run's identity: resume on another
         new.pop("mesh", None)
         if old == new:
             return
-        diffs = [f"{sec}.{k}: {old.get(sec, {}).get(k)!r} -> {v!r}"
-                 for sec in ("model", "data", "train") for k, v in new[sec].items()
-                 if old.get(sec, {}).get(k) != v]
+        refused, allowed = [], []
         if old.get("name") != new["name"]:
-            diffs.insert(0, f"name: {old.get('name')!r} -> {new['name']!r}")
-        raise ValueError(
-            f"workdir: {self.path} holds a run with a different config ({'; '.join(diffs)}); "
-            f"use a new workdir or the same config to resume")
+            refused.append(f"name: {old.get('name')!r} -> {new['name']!r}")
+        for sec in ("model", "data", "train"):
+            for k, v in new[sec].items():
+                was = old.get(sec, {}).get(k)
+                if was != v:
+                    change = f"{sec}.{k}: {was!r} -> {v!r}"
+                    (allowed if k in NON_IDENTITY_FIELDS.get(sec, ()) else refused).append(change)
+        if refused:
+            raise ValueError(
+                f"workdir: {self.path} holds a run with a different config ({'; '.join(refused)}); "
+                f"use a new workdir or the same config to resume")
+        for change in allowed:
+            if change.startswith("train.num_steps:") and new["train"].get("decay_steps") is None:
+                log(f"resume: {change} (the learning-rate decay ends at num_steps when "
+                    f"train.decay_steps is None: the steps from here on follow the new schedule)")
+            else:
+                log(f"resume: {change} (does not change what is computed)")
+
+    def write_config(self, cfg: Config) -> None:
+        """Saves the resolved config (after ``check_config`` and every other check passed, so a
+        run that failed to start leaves no identity behind)."""
+        os.makedirs(self.path, exist_ok=True)
+        text = cfg.to_json()
+        if os.path.exists(self.config_path):
+            with open(self.config_path) as f:
+                if f.read() == text:
+                    return
+        _write_atomically(self.config_path, text)
+
+    def write_or_check_config(self, cfg: Config, log: Callable[[str], None] = print) -> None:
+        """``check_config`` then ``write_config``."""
+        self.check_config(cfg, log)
+        self.write_config(cfg)
+
+    def _read_config_dict(self) -> dict:
+        try:
+            with open(self.config_path) as f:
+                d = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"config: {self.config_path} is not valid JSON ({e}); restore it or "
+                             f"use a new workdir") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"config: expected a JSON object in {self.config_path}, got "
+                             f"{type(d).__name__}")
+        return d
 
     def load_config(self) -> Config:
         if not os.path.exists(self.config_path):
             raise FileNotFoundError(
                 f"checkpoint: expected a run directory with {CONFIG_FILE} (written by train.py), "
                 f"but {self.config_path} does not exist")
-        with open(self.config_path) as f:
-            return Config.from_dict(json.load(f))
+        d = self._read_config_dict()
+        try:
+            return Config.from_dict(d)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"config: {self.config_path}: {e}") from None
+
+    # -- the lock ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Holds an exclusive ``flock`` on ``.lock`` while the block runs; a second holder gets
+        ``WorkdirLocked``. The OS releases the lock when the process dies (even ``kill -9``),
+        so a killed run never leaves the directory locked."""
+        os.makedirs(self.path, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                raise WorkdirLocked(
+                    f"workdir: {self.path} is in use by another training run (pid {holder}); "
+                    f"wait for it to finish or use another workdir") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            try:
+                yield
+            finally:
+                os.ftruncate(fd, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
     # -- status.json ------------------------------------------------------------------------------
     def read_status(self) -> dict[str, Any] | None:

@@ -10,7 +10,10 @@
   imported only here, so the other sources work without it.
 
 The local sources split their files into "train" and "validation" by a stable hash of the
-relative path (validation when ``hash % 100 < validation_percent``).
+relative path (validation when ``hash % 100 < validation_percent``). A ``text:`` glob that
+matches a single file is split by position instead: its last ``validation_percent`` % of bytes
+(from the next line start) are the validation document, the rest the training document. A
+split whose files are all empty is an error.
 
 Both the input pipeline (``ls_jax.data``) and the tokenizer trainer (``ls_jax.tokenizer``) read
 documents through this module.
@@ -68,6 +71,59 @@ class TextFileDocuments:
         return f"TextFileDocuments({self.description}, {len(self)} files under {self.root})"
 
 
+class TextSliceDocuments:
+    """One document: bytes ``[start, end)`` of the file ``path`` (read lazily, as UTF-8)."""
+
+    def __init__(self, path: pathlib.Path, start: int, end: int, description: str):
+        self.path, self.start, self.end = pathlib.Path(path), start, end
+        self.description = description
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> str:
+        if index not in (0, -1):
+            raise IndexError(f"index: expected 0 (one document), got {index}")
+        with open(self.path, "rb") as f:
+            f.seek(self.start)
+            return f.read(self.end - self.start).decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return (f"TextSliceDocuments({self.description}, bytes [{self.start}, {self.end}) of "
+                f"{self.path})")
+
+
+def position_cut(path: str | os.PathLike, validation_percent: int) -> int:
+    """Byte offset where a single file's validation part starts: ``validation_percent`` % from
+    the end, moved forward to the next line start (if one follows within 64 KiB)."""
+    size = os.path.getsize(path)
+    cut = size - size * validation_percent // 100
+    if cut <= 0:
+        return cut
+    with open(path, "rb") as f:
+        f.seek(cut - 1)  # a newline right before the cut already starts a line there
+        ahead = f.read(1 << 16)
+    newline = ahead.find(b"\n")
+    if newline >= 0 and cut + newline < size:
+        cut += newline
+    return cut
+
+
+def _split_one_file(source: str, path: str, split: str,
+                    validation_percent: int) -> TextSliceDocuments:
+    size = os.path.getsize(path)
+    if size == 0:
+        raise ValueError(f"source: {source!r} matches one file, {path}, and it is empty; "
+                         f"expected text to train on")
+    cut = position_cut(path, validation_percent)
+    start, end = (0, cut) if split == "train" else (cut, size)
+    if end <= start:
+        raise ValueError(
+            f"source: {source!r} matches one file, {path}, of {size} bytes: too small to split "
+            f"into train and validation (validation_percent={validation_percent}); add text")
+    return TextSliceDocuments(pathlib.Path(path), start, end, f"{source} {split}")
+
+
 class TfdsTextDocuments:
     """Text feature ``text_field`` of a TFDS random-access data source (bytes -> UTF-8)."""
 
@@ -105,6 +161,9 @@ def _split_files(source: str, root: pathlib.Path, relative_paths: list[str], spl
             f"split: source {source!r} has no documents in split {split!r}: all "
             f"{len(relative_paths)} files hash to the other split with "
             f"validation_percent={validation_percent}; add files or change validation_percent")
+    if all(os.path.getsize(root / p) == 0 for p in chosen):
+        raise ValueError(f"source: the {len(chosen)} file(s) of split {split!r} of {source!r} "
+                         f"are all empty; expected text")
     return TextFileDocuments(root, chosen, f"{source} {split}")
 
 
@@ -134,13 +193,15 @@ def _glob_root(pattern: str) -> pathlib.Path:
     return pathlib.Path(*fixed) if fixed else pathlib.Path(".")
 
 
-def _text_documents(source: str, split: str, validation_percent: int) -> TextFileDocuments:
+def _text_documents(source: str, split: str, validation_percent: int):
     pattern = os.path.expanduser(source[len("text:"):])
     if not pattern:
         raise ValueError(f"source: expected 'text:<glob>', got {source!r} (empty glob)")
     files = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
     if not files:
         raise FileNotFoundError(f"source: no files match the glob {pattern!r} (source {source!r})")
+    if len(files) == 1:
+        return _split_one_file(source, files[0], split, validation_percent)
     root = _glob_root(pattern)
     relative_paths = sorted(pathlib.Path(os.path.relpath(f, root)).as_posix() for f in files)
     return _split_files(source, root, relative_paths, split, validation_percent)

@@ -9,6 +9,7 @@ final eval.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
@@ -31,6 +32,7 @@ from ls_jax.metrics import MetricsWriter, logit_norm_summary
 from ls_jax.model import count_params
 from ls_jax.optimizer import learning_rate_schedule
 from ls_jax.rundir import RunDir
+from ls_jax.sources import load_split
 from ls_jax.state import abstract_train_state, create_model_and_optimizer
 from ls_jax.tokenizer import make_tokenizer
 
@@ -108,18 +110,28 @@ def make_train_step(graphdef, cfg: Config, *, with_stats: bool) -> Callable:
 
 def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
           stop_at_time: float | None = None, log: Callable[[str], None] = print) -> TrainResult:
-    """Trains ``cfg`` in ``workdir``, resuming from its latest checkpoint if there is one.
+    """Trains ``cfg`` in ``workdir``, resuming from its latest intact checkpoint if there is one.
 
     stop_after_steps: stop (after checkpointing) once this many steps ran in this call, as a
       kill would; the same call again resumes. For tests and time-boxed jobs.
     stop_at_time: likewise, stop at the first step boundary after this ``time.time()``.
+
+    The run holds the workdir's lock (``RunDir.lock``) throughout; ``config.json`` is written
+    only once the config, both data splits and the checkpoint passed their checks.
     """
     mesh = sharding_lib.make_mesh(cfg.mesh)
     check_train_config(cfg, mesh)
+    is_main = jax.process_index() == 0
+    with RunDir(workdir).lock() if is_main else contextlib.nullcontext():
+        return _train(cfg, mesh, workdir, stop_after_steps, stop_at_time, log)
+
+
+def _train(cfg: Config, mesh, workdir: str, stop_after_steps, stop_at_time, log) -> TrainResult:
     run = RunDir(workdir)
     is_main = jax.process_index() == 0
     if is_main:
-        run.write_or_check_config(cfg)
+        run.check_config(cfg, log)
+    _check_eval_split(cfg)
     with jax.set_mesh(mesh):
         data_iter = iter(_train_dataset(cfg))
         ckpt = Checkpointer(run, keep=cfg.train.keep_checkpoints,
@@ -128,12 +140,17 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
         try:
             fns = compile_train_fns(cfg, mesh)
             graphdef, state, start_step = _restore_or_init(cfg, mesh, fns, ckpt, data_iter, log)
+            if is_main:
+                run.write_config(cfg)
             step_log = _StepLog(cfg, run, start_step, log, enabled=is_main)
             with _Stopper(stop_after_steps, stop_at_time) as stopper:
                 state, final_step, interrupted = _step_loop(
                     cfg, mesh, fns, state, start_step, data_iter, ckpt, step_log, stopper, log)
             eval_metrics = None
-            if final_step == cfg.train.num_steps and not interrupted:
+            if final_step == cfg.train.num_steps and not interrupted and step_log.finished_before():
+                log(f"the run already finished at step {final_step} (its final eval is in "
+                    f"{run.metrics_path}); nothing to do")
+            elif final_step == cfg.train.num_steps and not interrupted:
                 eval_metrics = _final_eval(cfg, graphdef, state, final_step, step_log, log)
         finally:
             if step_log is not None:
@@ -162,6 +179,26 @@ def check_train_config(cfg: Config, mesh: jax.sharding.Mesh) -> None:
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"model.vocab_size: expected >= the tokenizer's vocabulary "
                          f"({tokenizer.vocab_size} for {cfg.data.tokenizer!r}), got {cfg.model.vocab_size}")
+
+
+def _check_eval_split(cfg: Config) -> None:
+    """The eval split gives at least one batch (the train split is checked when its pipeline is
+    built), so a run does not fail at its final eval after all its steps."""
+    load_split(cfg.data, cfg.data.eval_split)  # the clear errors: missing, empty
+    batch_size = cfg.train.batch_size // jax.process_count()
+    it = iter(data_lib.make_dataset(cfg.data, cfg.data.eval_split, batch_size=batch_size,
+                                    seed=cfg.data.shuffle_seed, shard_index=jax.process_index(),
+                                    shard_count=jax.process_count(), num_epochs=1, shuffle=False))
+    try:
+        next(it)
+    except StopIteration:
+        raise ValueError(
+            f"data.eval_split: {cfg.data.eval_split!r} of {cfg.data.source!r} holds less than "
+            f"one batch of {batch_size} x {cfg.data.seq_len} tokens; add text, raise "
+            f"data.validation_percent or lower train.batch_size / data.seq_len") from None
+    finally:
+        if hasattr(it, "close"):
+            it.close()
 
 
 def _train_dataset(cfg: Config):
@@ -202,10 +239,13 @@ def _restore_or_init(cfg: Config, mesh, fns: TrainFns, ckpt: Checkpointer, data_
     """(graphdef, state, start step): the latest checkpoint (the data iterator restored in
     place) if there is one, else a fresh initialisation. A checkpoint written on any mesh is
     restored straight into this run's shardings."""
-    start_step = ckpt.latest_step() or 0
-    if start_step:
+    start_step = 0
+    if ckpt.latest_step():
         abstract = sharding_lib.with_shardings(fns.abstract, fns.state_sharding)
-        _, state = ckpt.restore(start_step, abstract, data_iter)
+        start_step, state = ckpt.restore_latest_intact(abstract, data_iter, log)
+        if start_step > cfg.train.num_steps:
+            raise ValueError(f"train.num_steps: expected >= the checkpointed step {start_step} "
+                             f"to resume {ckpt.directory}, got {cfg.train.num_steps}")
         log(f"resumed from {ckpt.directory} at step {start_step}")
         return fns.graphdef, state, start_step
     state = fns.init()
@@ -227,6 +267,7 @@ def _step_loop(cfg: Config, mesh, fns: TrainFns, state, start_step: int, data_it
         state, dev_metrics = fns.steps[step_log.logs(step + 1)](state, batch)
         step += 1
         step_log.record(step, dev_metrics)
+        ckpt.check_for_errors()  # an async save that failed stops the run here
         why_stop = stopper.after_step()
         at_eval = tcfg.eval_every and step % tcfg.eval_every == 0
         save_now = step % tcfg.save_every == 0 or step == tcfg.num_steps or why_stop is not None
@@ -235,10 +276,11 @@ def _step_loop(cfg: Config, mesh, fns: TrainFns, state, start_step: int, data_it
         if save_now:
             ckpt.save(step, state, data_iter)
             step_log.last_saved = step
+            step_log.say(f"checkpoint: step {step} saved to {ckpt.directory}")
         if at_eval and step != tcfg.num_steps:
             step_log.write_eval(step, _evaluate(cfg, graphdef, state))
         if why_stop is not None:
-            log(f"stopping at step {step} ({why_stop}); checkpoint saved")
+            step_log.say(f"stopping at step {step} ({why_stop}); checkpoint saved")
     step_log.flush()
     return state, step, why_stop is not None
 
@@ -251,6 +293,7 @@ def _evaluate(cfg: Config, graphdef, state) -> dict[str, Any]:
 def _final_eval(cfg: Config, graphdef, state, step: int, step_log: "_StepLog", log):
     metrics = _evaluate(cfg, graphdef, state)
     step_log.write_eval(step, metrics)
+    step_log.close_progress()  # the eval line below starts on a line of its own
     log(f"final eval ({cfg.data.eval_split}): loss {metrics['loss']:.4f} "
         f"ppl {metrics['perplexity']:.2f} bpb {metrics['bits_per_byte']:.4f}")
     return metrics
@@ -259,9 +302,11 @@ def _final_eval(cfg: Config, graphdef, state, step: int, step_log: "_StepLog", l
 # -- stopping and logging ---------------------------------------------------------------------
 
 class _Stopper:
-    """Why to stop early, checked after every step: SIGTERM, a step count, a wall-clock time.
+    """Why to stop early, checked after every step: SIGTERM or SIGINT (Ctrl-C), a step count,
+    a wall-clock time.
 
-    The loop then checkpoints and returns; the same call again resumes.
+    The loop then checkpoints and returns; the same call again resumes. A second signal before
+    that stops at once (KeyboardInterrupt), without saving.
     """
 
     def __init__(self, after_steps: int | None, at_time: float | None):
@@ -271,13 +316,16 @@ class _Stopper:
         self._old = {}
 
     def __enter__(self):
-        try:
-            self._old[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: no signal handling
-            pass
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: no signal handling
+                pass
         return self
 
     def _handle(self, signum, frame):
+        if self.signum is not None:  # the second signal: stop now
+            raise KeyboardInterrupt
         self.signum = signum
 
     def __exit__(self, *exc):
@@ -361,9 +409,26 @@ class _StepLog:
     def write_eval(self, step: int, metrics: dict[str, Any]) -> None:
         self.writer.write(step, metrics, prefix="eval/")
 
-    def close(self) -> None:
+    def finished_before(self) -> bool:
+        """Whether the kept log already holds this run's final eval (a rerun of a finished run)."""
+        return self.writer.has_record(self.tcfg.num_steps, "eval/loss")
+
+    def say(self, message: str) -> None:
+        """A log line that does not break the progress bar."""
+        if not self.enabled:
+            return
+        if self.progress is not None:
+            self.progress.write(message)
+        else:
+            self.log(message)
+
+    def close_progress(self) -> None:
         if self.progress is not None:
             self.progress.close()
+            self.progress = None
+
+    def close(self) -> None:
+        self.close_progress()
         self.writer.close()
 
 

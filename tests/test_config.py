@@ -47,6 +47,9 @@ def test_overrides_parse_types():
     ("data.seq_len=512", r"data.seq_len: expected <= model.max_seq_len=256"),
     ("data.source=hf:foo", r"data.source: expected 'stdlib', 'text:<glob>' or 'tfds:"),
     ("model.attn_implementation=flash", r"model.attn_implementation: expected one of"),
+    ("train.lr=nan", r"train.lr: expected a finite number, got nan"),
+    ("train.lr=inf", r"train.lr: expected a finite number, got inf"),
+    ("train.grad_clip=-inf", r"train.grad_clip: expected a finite number, got -inf"),
 ])
 def test_bad_overrides_raise_clear_errors(override, pattern):
     with pytest.raises(ValueError, match=pattern):

@@ -395,11 +395,46 @@ def test_bad_sources_and_splits_raise_clear_errors(tmp_path):
     with pytest.raises(ValueError, match=r"split: expected one of \('train', 'validation'\) "
                                          r"for source 'stdlib', got 'test'"):
         sources.load_documents("stdlib", "test")
-    (tmp_path / "only.txt").write_text("one file")
-    split = sources.split_of("only.txt", 50)
-    other = "train" if split == "validation" else "validation"
+    # two files that hash to the same split leave the other one empty
+    names = [f"f{i}.txt" for i in range(100)]
+    a = names[0]
+    b = next(n for n in names[1:] if sources.split_of(n, 50) == sources.split_of(a, 50))
+    (tmp_path / a).write_text("one file")
+    (tmp_path / b).write_text("another")
+    other = "train" if sources.split_of(a, 50) == "validation" else "validation"
     with pytest.raises(ValueError, match=f"has no documents in split '{other}'"):
         sources.load_documents(f"text:{tmp_path}/*.txt", other, validation_percent=50)
+
+
+def test_a_single_file_is_split_by_position(tmp_path):
+    lines = [f"line {i:03d} " + "x" * 10 + "\n" for i in range(100)]  # 19 bytes each
+    path = tmp_path / "book.txt"
+    path.write_text("".join(lines))
+    train_docs = sources.load_documents(f"text:{path}", "train", validation_percent=10)
+    val_docs = sources.load_documents(f"text:{path}", "validation", validation_percent=10)
+    assert len(train_docs) == len(val_docs) == 1
+    # 1900 bytes, 10 % = 190 from the end: byte 1710 is the start of line 90 (90 * 19)
+    assert train_docs[0] == "".join(lines[:90])
+    assert val_docs[0] == "".join(lines[90:])
+    # a file without newlines is cut at the exact position
+    flat = tmp_path / "flat" / "a.txt"
+    flat.parent.mkdir()
+    flat.write_text("ab" * 50)
+    assert sources.load_documents(f"text:{flat}", "validation", validation_percent=10)[0] == "ab" * 5
+
+
+def test_empty_files_are_a_clear_error(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="matches one file, .*empty.txt, and it is empty"):
+        sources.load_documents(f"text:{tmp_path}/*.txt", "train")
+    for i in range(30):
+        (tmp_path / f"e{i}.txt").write_text("")
+    with pytest.raises(ValueError, match="split 'train' of .* are all empty"):
+        sources.load_documents(f"text:{tmp_path}/*.txt", "train")
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "t.txt").write_text("a")
+    with pytest.raises(ValueError, match="too small to split"):
+        sources.load_documents(f"text:{tmp_path}/tiny/*.txt", "validation")
 
 
 def test_make_dataset_rejects_bad_arguments():

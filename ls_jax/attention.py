@@ -83,19 +83,34 @@ class LSAttention(nnx.Module):
         q_BxTxHxK = self.q_proj(x_BxTxD).reshape(B, T, self.n_head, self.head_dim)
         k_BxTxGxK = self.k_proj(x_BxTxD).reshape(B, T, self.n_kv_head, self.head_dim)
         v_BxTxGxK = self.v_proj(x_BxTxD).reshape(B, T, self.n_kv_head, self.head_dim)
-        if self.q_norm is not None:
-            q_BxTxHxK = self.q_norm(q_BxTxHxK).astype(self.dtype)
-            k_BxTxGxK = self.k_norm(k_BxTxGxK).astype(self.dtype)
-        if self.rope_theta is not None:
-            if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-            q_BxTxHxK = apply_rope(q_BxTxHxK, positions, self.rope_theta)
-            k_BxTxGxK = apply_rope(k_BxTxGxK, positions, self.rope_theta)
-        result = ls_attention(
-            q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, self.window_sizes, segment_ids=segment_ids,
-            return_logit_stats=return_logit_stats, implementation=self.implementation)
-        out_BxTxHxK = result[0] if return_logit_stats else result
-        y_BxTxD = self.o_proj(out_BxTxHxK.reshape(B, T, self.n_head * self.head_dim))
-        if return_logit_stats:
-            return y_BxTxD, result[1].max_abs_logit
-        return y_BxTxD
+        return attend(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, self.o_proj, self.window_sizes,
+                      q_norm=self.q_norm, k_norm=self.k_norm, rope_theta=self.rope_theta,
+                      dtype=self.dtype, implementation=self.implementation,
+                      positions=positions, segment_ids=segment_ids,
+                      return_logit_stats=return_logit_stats)
+
+
+def attend(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, o_proj, window_sizes, *, q_norm, k_norm, rope_theta,
+           dtype, implementation, positions=None, segment_ids=None, return_logit_stats=False):
+    """The layer after the q/k/v projections: QK-norm, RoPE, ``ls_attention``, ``o_proj``.
+
+    Shared by this NNX layer and the Linen one (ls_jax/linen.py); ``q_norm``/``k_norm``/``o_proj``
+    are callables of either library (``q_norm`` None: no QK-norm).
+    """
+    B, T, H, K = q_BxTxHxK.shape
+    if q_norm is not None:
+        q_BxTxHxK = q_norm(q_BxTxHxK).astype(dtype)
+        k_BxTxGxK = k_norm(k_BxTxGxK).astype(dtype)
+    if rope_theta is not None:
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+        q_BxTxHxK = apply_rope(q_BxTxHxK, positions, rope_theta)
+        k_BxTxGxK = apply_rope(k_BxTxGxK, positions, rope_theta)
+    result = ls_attention(
+        q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, window_sizes, segment_ids=segment_ids,
+        return_logit_stats=return_logit_stats, implementation=implementation)
+    out_BxTxHxK = result[0] if return_logit_stats else result
+    y_BxTxD = o_proj(out_BxTxHxK.reshape(B, T, H * K))
+    if return_logit_stats:
+        return y_BxTxD, result[1].max_abs_logit
+    return y_BxTxD

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import tomllib
 import zipfile
 
 import pytest
@@ -60,8 +61,10 @@ def build_wheel(tmp_path) -> str:
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(os.path.join(ROOT, name), src / name)
-    for name in ("ls_jax", "kernels", "configs"):
-        shutil.copytree(os.path.join(ROOT, name), src / name,
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        package_dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    for folder in sorted(set(package_dirs.values())):
+        shutil.copytree(os.path.join(ROOT, folder), src / folder,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist")]
     if importlib.util.find_spec("setuptools") is not None:

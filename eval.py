@@ -2,7 +2,7 @@
 
 import sys
 
-from ls_jax.cli import eval_main
+from ls_jax.configs.cli import eval_main
 
 if __name__ == "__main__":
     sys.exit(eval_main())

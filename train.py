@@ -2,7 +2,7 @@
 
 import sys
 
-from ls_jax.cli import train_main
+from ls_jax.configs.cli import train_main
 
 if __name__ == "__main__":
     sys.exit(train_main())

@@ -76,41 +76,41 @@ class LSAttention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def __call__(self, x_BxTxD: jax.Array, *, positions: jax.Array | None = None,
+    def __call__(self, x_BxTxM: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, return_logit_stats: bool = False):
         """Returns y [B, T, d_model], or (y, max_abs_logit [n_head]) with return_logit_stats."""
-        B, T, _ = x_BxTxD.shape
-        q_BxTxHxK = self.q_proj(x_BxTxD).reshape(B, T, self.n_head, self.head_dim)
-        k_BxTxGxK = self.k_proj(x_BxTxD).reshape(B, T, self.n_kv_head, self.head_dim)
-        v_BxTxGxK = self.v_proj(x_BxTxD).reshape(B, T, self.n_kv_head, self.head_dim)
-        return attend(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, self.o_proj, self.window_sizes,
+        B, T, _ = x_BxTxM.shape
+        q_BxTxHxD = self.q_proj(x_BxTxM).reshape(B, T, self.n_head, self.head_dim)
+        k_BxTxKxD = self.k_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
+        v_BxTxKxD = self.v_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
+        return attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, self.o_proj, self.window_sizes,
                       q_norm=self.q_norm, k_norm=self.k_norm, rope_theta=self.rope_theta,
                       dtype=self.dtype, implementation=self.implementation,
                       positions=positions, segment_ids=segment_ids,
                       return_logit_stats=return_logit_stats)
 
 
-def attend(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, o_proj, window_sizes, *, q_norm, k_norm, rope_theta,
+def attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, o_proj, window_sizes, *, q_norm, k_norm, rope_theta,
            dtype, implementation, positions=None, segment_ids=None, return_logit_stats=False):
     """The layer after the q/k/v projections: QK-norm, RoPE, ``ls_attention``, ``o_proj``.
 
     Shared by this NNX layer and the Linen one (ls_jax/linen.py); ``q_norm``/``k_norm``/``o_proj``
     are callables of either library (``q_norm`` None: no QK-norm).
     """
-    B, T, H, K = q_BxTxHxK.shape
+    B, T, H, D = q_BxTxHxD.shape
     if q_norm is not None:
-        q_BxTxHxK = q_norm(q_BxTxHxK).astype(dtype)
-        k_BxTxGxK = k_norm(k_BxTxGxK).astype(dtype)
+        q_BxTxHxD = q_norm(q_BxTxHxD).astype(dtype)
+        k_BxTxKxD = k_norm(k_BxTxKxD).astype(dtype)
     if rope_theta is not None:
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-        q_BxTxHxK = apply_rope(q_BxTxHxK, positions, rope_theta)
-        k_BxTxGxK = apply_rope(k_BxTxGxK, positions, rope_theta)
+        q_BxTxHxD = apply_rope(q_BxTxHxD, positions, rope_theta)
+        k_BxTxKxD = apply_rope(k_BxTxKxD, positions, rope_theta)
     result = ls_attention(
-        q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, window_sizes, segment_ids=segment_ids,
+        q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, window_sizes, segment_ids=segment_ids,
         return_logit_stats=return_logit_stats, implementation=implementation)
-    out_BxTxHxK = result[0] if return_logit_stats else result
-    y_BxTxD = o_proj(out_BxTxHxK.reshape(B, T, H * K))
+    out_BxTxHxD = result[0] if return_logit_stats else result
+    y_BxTxM = o_proj(out_BxTxHxD.reshape(B, T, H * D))
     if return_logit_stats:
-        return y_BxTxD, result[1].max_abs_logit
-    return y_BxTxD
+        return y_BxTxM, result[1].max_abs_logit
+    return y_BxTxM

@@ -1,10 +1,8 @@
 """Orbax checkpoints of a training run: model + optimizer state (with its step) and the grain
 data iterator, saved together as one ``ocp.args.Composite`` per step.
 
-Layout under a run's workdir::
-
-    <workdir>/config.json          the resolved Config (eval.py needs only the workdir)
-    <workdir>/checkpoints/<step>/  {state/, data/} written by orbax (async, keep-last-N)
+Each step is ``<workdir>/checkpoints/<step>/{state/, data/}`` (``RunDir.checkpoint_dir``),
+written by orbax (async, keep-last-N).
 """
 
 from __future__ import annotations
@@ -14,23 +12,24 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
-CHECKPOINT_SUBDIR = "checkpoints"
+from ls_jax.rundir import CHECKPOINT_SUBDIR, RunDir
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory that is missing, empty or unreadable."""
 
 
-def checkpoint_dir(workdir: str) -> str:
-    return os.path.join(os.path.abspath(workdir), CHECKPOINT_SUBDIR)
-
-
 class Checkpointer:
-    """Thin wrapper over ``ocp.CheckpointManager`` with the run's save policy."""
+    """Thin wrapper over ``ocp.CheckpointManager`` with the run's save policy.
 
-    def __init__(self, workdir: str, *, keep: int = 3, async_save: bool = True,
+    ``run``: the run directory (a ``RunDir`` or its path); checkpoints go to its
+    ``checkpoint_dir``.
+    """
+
+    def __init__(self, run: RunDir | str, *, keep: int = 3, async_save: bool = True,
                  create: bool = True):
-        self.directory = checkpoint_dir(workdir)
+        run = run if isinstance(run, RunDir) else RunDir(run)
+        self.directory = run.checkpoint_dir
         if not create and not os.path.isdir(self.directory):
             raise CheckpointError(
                 f"checkpoint: expected a run directory holding '{CHECKPOINT_SUBDIR}/', but "
@@ -75,9 +74,6 @@ class Checkpointer:
                 f"checkpoint: step {step} in {self.directory} could not be restored (truncated or "
                 f"damaged?): {type(e).__name__}: {e}") from e
         return step, restored["state"]
-
-    def wait(self) -> None:
-        self._manager.wait_until_finished()
 
     def close(self) -> None:
         self._manager.wait_until_finished()

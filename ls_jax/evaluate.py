@@ -22,6 +22,8 @@ from ls_jax import mesh as mesh_lib
 from ls_jax.config import Config
 from ls_jax.loss import lm_loss
 from ls_jax.metrics import logit_norm_summary
+from ls_jax.rundir import RunDir
+from ls_jax.state import restore_model
 from ls_jax.tokenizer import make_tokenizer
 
 _EVAL_FNS: dict[Any, Any] = {}
@@ -118,23 +120,15 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, split: str | N
                         batch_size: int | None = None, output: str | None = None) -> dict[str, Any]:
     """Restores ``step`` (default: latest) of the run in ``workdir`` and evaluates it.
 
-    Writes the result as JSON to ``output`` (default ``<workdir>/eval_step<step>_<split>.json``).
+    Writes the result as JSON to ``output`` (default ``RunDir.eval_path``:
+    ``<workdir>/eval_step<step>_<split>_T<seq_len>.json``).
     """
-    from ls_jax.checkpoint import Checkpointer
-    from ls_jax.train import abstract_train_state, load_config
-
-    cfg = load_config(workdir)
-    ckpt = Checkpointer(workdir, create=False)
-    graphdef, abstract = abstract_train_state(cfg)
-    try:
-        step, state = ckpt.restore(step, abstract)
-    finally:
-        ckpt.close()
-    model = nnx.merge(graphdef, state)[0]
+    run = RunDir(workdir)
+    cfg, step, model = restore_model(run, step)
     result = {"workdir": os.path.abspath(workdir), "step": step, "config": cfg.name,
               **evaluate_model(model, cfg, split=split, seq_len=seq_len, max_batches=max_batches,
                                batch_size=batch_size)}
-    output = output or os.path.join(workdir, f"eval_step{step}_{result['split']}_T{result['seq_len']}.json")
+    output = output or run.eval_path(step, result["split"], result["seq_len"])
     with open(output, "w") as f:
         json.dump(result, f, indent=2)
     result["output"] = output

@@ -7,8 +7,8 @@ Same arguments, parameter tree (names and shapes) and numerics as the NNX layer
 
     from ls_jax.linen import LSAttention
     layer = LSAttention(d_model=192, n_head=6, head_dim=32, n_global_heads=1, window=51)
-    params = layer.init(jax.random.key(0), x_BxTxD)
-    y_BxTxD = layer.apply(params, x_BxTxD)
+    params = layer.init(jax.random.key(0), x_BxTxM)
+    y_BxTxM = layer.apply(params, x_BxTxM)
 """
 
 from __future__ import annotations
@@ -74,17 +74,17 @@ class LSAttention(nn.Module):
             self.k_norm = nn.LayerNorm(use_bias=False, dtype=jnp.float32,
                                        param_dtype=self.param_dtype, name="k_norm")
 
-    def __call__(self, x_BxTxD: jax.Array, *, positions: jax.Array | None = None,
+    def __call__(self, x_BxTxM: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, return_logit_stats: bool = False):
         """Returns y [B, T, d_model], or (y, max_abs_logit [n_head]) with return_logit_stats."""
-        if x_BxTxD.ndim != 3 or x_BxTxD.shape[-1] != self.d_model:
+        if x_BxTxM.ndim != 3 or x_BxTxM.shape[-1] != self.d_model:
             raise ValueError(
-                f"x: expected shape [B, T, d_model={self.d_model}], got {tuple(x_BxTxD.shape)}")
-        B, T, _ = x_BxTxD.shape
-        q_BxTxHxK = self.q_proj(x_BxTxD).reshape(B, T, self.n_head, self.head_dim)
-        k_BxTxGxK = self.k_proj(x_BxTxD).reshape(B, T, self._kv_heads, self.head_dim)
-        v_BxTxGxK = self.v_proj(x_BxTxD).reshape(B, T, self._kv_heads, self.head_dim)
-        return attend(q_BxTxHxK, k_BxTxGxK, v_BxTxGxK, self.o_proj, self._windows,
+                f"x: expected shape [B, T, d_model={self.d_model}], got {tuple(x_BxTxM.shape)}")
+        B, T, _ = x_BxTxM.shape
+        q_BxTxHxD = self.q_proj(x_BxTxM).reshape(B, T, self.n_head, self.head_dim)
+        k_BxTxKxD = self.k_proj(x_BxTxM).reshape(B, T, self._kv_heads, self.head_dim)
+        v_BxTxKxD = self.v_proj(x_BxTxM).reshape(B, T, self._kv_heads, self.head_dim)
+        return attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, self.o_proj, self._windows,
                       q_norm=self.q_norm if self.qk_norm else None,
                       k_norm=self.k_norm if self.qk_norm else None,
                       rope_theta=self.rope_theta, dtype=self.dtype,

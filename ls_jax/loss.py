@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 
 
-def lm_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array, *, z_loss: float = 0.0,
-            weights_BxT: jax.Array | None = None):
+def lm_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array, *, z_loss: float = 0.0):
     """Returns (loss, {"ce": mean cross-entropy (nats/token), "z": mean logsumexp^2}).
 
     loss = ce + z_loss * mean(logsumexp(logits)^2); the z term is the regulariser that keeps
@@ -17,12 +16,8 @@ def lm_loss(logits_BxTxV: jax.Array, targets_BxT: jax.Array, *, z_loss: float = 
     lse_BxT = jax.nn.logsumexp(logits_BxTxV, axis=-1)
     target_logit_BxT = jnp.take_along_axis(logits_BxTxV, targets_BxT[..., None], axis=-1)[..., 0]
     ce_BxT = lse_BxT - target_logit_BxT
-    if weights_BxT is None:
-        weights_BxT = jnp.ones_like(ce_BxT)
-    denom = jnp.maximum(weights_BxT.sum(), 1.0)
-    ce = (ce_BxT * weights_BxT).sum() / denom
-    z = (jnp.square(lse_BxT) * weights_BxT).sum() / denom
+    n_tokens = ce_BxT.size
+    ce = ce_BxT.sum() / n_tokens
+    z = jnp.square(lse_BxT).sum() / n_tokens
     loss = ce + z_loss * z if z_loss else ce
     return loss, {"ce": ce, "z": z}
-
-

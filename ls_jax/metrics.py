@@ -47,16 +47,18 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 class MetricsWriter:
-    """Appends one JSON record per logged step to ``<workdir>/metrics.jsonl`` and writes the
-    same numbers as TensorBoard scalars under ``<workdir>/tensorboard``.
+    """Appends one JSON record per logged step to the JSONL file ``path`` and, with
+    ``tensorboard_dir``, writes the same numbers as TensorBoard scalars there (a run's paths:
+    ``RunDir.metrics_path`` and ``RunDir.tensorboard_dir``).
 
     ``resume_step``: records of steps after it (logged by a run that was killed before its next
-    checkpoint) are dropped, so a resumed run does not log those steps twice.
+    checkpoint) are dropped, so a resumed run does not log those steps twice. Without it, an
+    existing log is moved aside to ``<path>.old`` (a fresh run keeps, but does not mix, old logs).
     """
 
-    def __init__(self, workdir: str, *, resume_step: int | None = None, tensorboard: bool = True,
-                 enabled: bool = True):
-        self.path = os.path.join(workdir, "metrics.jsonl")
+    def __init__(self, path: str, *, tensorboard_dir: str | None = None,
+                 resume_step: int | None = None, enabled: bool = True):
+        self.path = path
         self.enabled = enabled
         self._tb = None
         if not enabled:
@@ -68,11 +70,11 @@ class MetricsWriter:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
             os.replace(tmp, self.path)
         elif resume_step is None and os.path.exists(self.path):
-            os.replace(self.path, self.path + ".old")  # a fresh run: keep, don't mix, old logs
+            os.replace(self.path, self.path + ".old")
         self._file = open(self.path, "a")
-        if tensorboard:
+        if tensorboard_dir is not None:
             from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=resume_step)
+            self._tb = SummaryWriter(tensorboard_dir, purge_step=resume_step)
 
     def write(self, step: int, metrics: dict[str, Any], prefix: str = "") -> None:
         if not self.enabled:

@@ -24,8 +24,8 @@ class MLP(nnx.Module):
         self.fc = nnx.Linear(cfg.d_model, hidden, kernel_init=nnx.initializers.normal(cfg.init_std), **kw)
         self.proj = nnx.Linear(hidden, cfg.d_model, kernel_init=nnx.initializers.normal(out_init_std), **kw)
 
-    def __call__(self, x_BxTxD):
-        return self.proj(jax.nn.gelu(self.fc(x_BxTxD), approximate=True))
+    def __call__(self, x_BxTxM):
+        return self.proj(jax.nn.gelu(self.fc(x_BxTxM), approximate=True))
 
 
 class Block(nnx.Module):
@@ -48,13 +48,18 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, out_init_std=out_std, rngs=rngs)
         self.compute_dtype = _dtype(cfg.compute_dtype)
 
-    def __call__(self, x_BxTxD, *, positions=None, segment_ids=None):
-        h_BxTxD, max_abs_logit_H = self.attn(
-            self.ln1(x_BxTxD).astype(self.compute_dtype), positions=positions,
-            segment_ids=segment_ids, return_logit_stats=True)
-        x_BxTxD = x_BxTxD + h_BxTxD
-        x_BxTxD = x_BxTxD + self.mlp(self.ln2(x_BxTxD).astype(self.compute_dtype))
-        return x_BxTxD, max_abs_logit_H
+    def __call__(self, x_BxTxM, *, positions=None, segment_ids=None,
+                 return_logit_stats: bool = False):
+        """Returns x, or (x, max_abs_logit_H) with ``return_logit_stats`` (the attention
+        kernel computes the statistics only then)."""
+        attn = self.attn(self.ln1(x_BxTxM).astype(self.compute_dtype), positions=positions,
+                         segment_ids=segment_ids, return_logit_stats=return_logit_stats)
+        h_BxTxM, max_abs_logit_H = attn if return_logit_stats else (attn, None)
+        x_BxTxM = x_BxTxM + h_BxTxM
+        x_BxTxM = x_BxTxM + self.mlp(self.ln2(x_BxTxM).astype(self.compute_dtype))
+        if return_logit_stats:
+            return x_BxTxM, max_abs_logit_H
+        return x_BxTxM
 
 
 class Transformer(nnx.Module):
@@ -93,23 +98,28 @@ class Transformer(nnx.Module):
             raise ValueError(
                 f"tokens: sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len} of the "
                 f"learned position table")
-        x_BxTxD = self.embed(tokens_BxT).astype(jnp.float32)
+        x_BxTxM = self.embed(tokens_BxT).astype(jnp.float32)
         if self.pos_embed is not None:
-            x_BxTxD = x_BxTxD + self.pos_embed(positions).astype(jnp.float32)
-        attn_stats = []
+            x_BxTxM = x_BxTxM + self.pos_embed(positions).astype(jnp.float32)
+        max_abs_logit_LxH = []
         for block in self.blocks:
-            x_BxTxD, max_abs_logit_H = block(x_BxTxD, positions=positions, segment_ids=segment_ids)
-            attn_stats.append(max_abs_logit_H)
-        h_BxTxD = self.ln_f(x_BxTxD).astype(_dtype(cfg.compute_dtype))
+            out = block(x_BxTxM, positions=positions, segment_ids=segment_ids,
+                        return_logit_stats=return_stats)
+            if return_stats:
+                x_BxTxM, max_abs_logit_H = out
+                max_abs_logit_LxH.append(max_abs_logit_H)
+            else:
+                x_BxTxM = out
+        h_BxTxM = self.ln_f(x_BxTxM).astype(_dtype(cfg.compute_dtype))
         if self.lm_head is None:
-            logits_BxTxV = self.embed.attend(h_BxTxD)
+            logits_BxTxV = self.embed.attend(h_BxTxM)
         else:
-            logits_BxTxV = self.lm_head(h_BxTxD)
+            logits_BxTxV = self.lm_head(h_BxTxM)
         logits_BxTxV = logits_BxTxV.astype(jnp.float32)
         if not return_stats:
             return logits_BxTxV
         stats = {
-            "attn_max_abs_logit": jnp.stack(attn_stats),
+            "attn_max_abs_logit": jnp.stack(max_abs_logit_LxH),
             "lm_head_max_abs_logit": jax.lax.stop_gradient(jnp.max(jnp.abs(logits_BxTxV))),
         }
         return logits_BxTxV, stats

@@ -28,6 +28,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from ls_jax.sources import load_documents
+
 BYTES_SPEC = "bytes"
 SENTENCEPIECE_PREFIX = "sentencepiece:"
 _SPM_WHITESPACE = "\u2581"  # SentencePiece's visible space "▁"
@@ -203,8 +205,6 @@ def train_sentencepiece(source: str, output_prefix: str | os.PathLike, vocab_siz
     Returns the path of the written ``<output_prefix>.model`` (a ``.vocab`` file sits beside it).
     """
     import sentencepiece as spm
-
-    from ls_jax.data import load_documents
 
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or \
             vocab_size <= _SPM_RESERVED_PIECES:

@@ -12,7 +12,7 @@ import grain
 import numpy as np
 import pytest
 
-from ls_jax import data
+from ls_jax import data, sources
 from ls_jax.config import DataConfig
 
 T = 32  # seq_len of the small configs
@@ -73,8 +73,8 @@ def _equal_batches(a, b) -> bool:
 
 def test_text_source_splits_are_disjoint_sorted_and_cover_all_files(corpus_dir):
     source = _text_source(corpus_dir)
-    train = data.load_documents(source, "train", validation_percent=20)
-    validation = data.load_documents(source, "validation", validation_percent=20)
+    train = sources.load_documents(source, "train", validation_percent=20)
+    validation = sources.load_documents(source, "validation", validation_percent=20)
     assert len(train) > 0 and len(validation) > 0
     assert not set(train.relative_paths) & set(validation.relative_paths)
     assert set(train.relative_paths) | set(validation.relative_paths) == \
@@ -90,10 +90,10 @@ def test_split_depends_only_on_relative_path(corpus_dir, tmp_path):
     shutil.copytree(corpus_dir, moved)
     for i in range(10):
         (moved / "a" / f"extra{i}.txt").write_text(f"extra {i}\n")
-    for split in data.LOCAL_SPLITS:
-        before = set(data.load_documents(_text_source(corpus_dir), split,
+    for split in sources.LOCAL_SPLITS:
+        before = set(sources.load_documents(_text_source(corpus_dir), split,
                                          validation_percent=20).relative_paths)
-        after = set(data.load_documents(_text_source(moved), split,
+        after = set(sources.load_documents(_text_source(moved), split,
                                         validation_percent=20).relative_paths)
         assert before == {p for p in after if not p.startswith("a/extra")}
 
@@ -102,8 +102,8 @@ def test_stdlib_source_is_the_standard_library_split_disjointly():
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     expected = {p for p in _all_files(root, ".py")
                 if "site-packages" not in p.split("/") and "dist-packages" not in p.split("/")}
-    train = data.load_documents("stdlib", "train")
-    validation = data.load_documents("stdlib", "validation")
+    train = sources.load_documents("stdlib", "train")
+    validation = sources.load_documents("stdlib", "validation")
     assert not set(train.relative_paths) & set(validation.relative_paths)
     assert set(train.relative_paths) | set(validation.relative_paths) == expected
     share = len(validation) / len(expected)
@@ -121,7 +121,7 @@ def test_packed_stream_is_the_documents_joined_by_eos(corpus_dir):
     batch_size = 2
     batches = list(data.make_dataset(cfg, "train", batch_size=batch_size, seed=0,
                                      num_epochs=1, shuffle=False))
-    train = data.load_documents(cfg.source, "train", validation_percent=20)
+    train = sources.load_documents(cfg.source, "train", validation_percent=20)
     expected = b"".join((corpus_dir / rel).read_bytes() + b"\0" for rel in train.relative_paths)
     expected_sequences = len(expected) // (T + 1) // batch_size * batch_size
     assert len(batches) == expected_sequences // batch_size
@@ -170,7 +170,7 @@ def test_shuffled_epoch_covers_every_token_once(corpus_dir):
     shuffled = list(data.make_dataset(cfg, "train", batch_size=1, seed=1, num_epochs=1))
     ordered = _take(data.make_dataset(cfg, "train", batch_size=1, seed=1, shuffle=False), 4)
     assert not _equal_batches(shuffled[:4], ordered)
-    train = data.load_documents(cfg.source, "train", validation_percent=20)
+    train = sources.load_documents(cfg.source, "train", validation_percent=20)
     expected = np.frombuffer(b"".join(train[i].encode() + b"\0" for i in range(len(train))),
                              np.uint8)
     missing = np.bincount(expected, minlength=256) - \
@@ -211,7 +211,7 @@ def _document_markers(batches) -> list[int]:
 
 def test_process_shards_are_disjoint_and_cover_the_split(corpus_dir):
     cfg = _small_cfg(_text_source(corpus_dir))
-    train = data.load_documents(cfg.source, "train", validation_percent=20)
+    train = sources.load_documents(cfg.source, "train", validation_percent=20)
     all_markers = [int(re.match(r"<doc(\d{3})>", train[i]).group(1)) for i in range(len(train))]
     shard_markers = []
     for shard_index in range(3):
@@ -300,7 +300,7 @@ def test_unigram_entropy_and_token_counts_match_hand_computation(tmp_path):
     expected = float(-(p * np.log(p)).sum())
     assert data.unigram_entropy(cfg, "train") == pytest.approx(expected, rel=1e-12)
     assert data.unigram_entropy(cfg, "train", max_tokens=101) == pytest.approx(expected)
-    n_train = len(data.load_documents(cfg.source, "train", validation_percent=10))
+    n_train = len(sources.load_documents(cfg.source, "train", validation_percent=10))
     assert data.count_tokens(cfg, "train") == 101 * n_train
     assert data.count_tokens(cfg, "train", max_tokens=150) == 150
     assert data.bytes_per_token(cfg, "train") == pytest.approx(100 / 101)
@@ -317,7 +317,7 @@ def test_unigram_entropy_of_python_bytes_is_below_uniform():
 def test_tfds_pg19_with_mock_data():
     tfds = pytest.importorskip("tensorflow_datasets")
     with tfds.testing.mock_data(num_examples=24):
-        docs = data.load_documents("tfds:pg19", "train")
+        docs = sources.load_documents("tfds:pg19", "train")
         assert len(docs) == 24
         texts = [docs[i] for i in range(len(docs))]
         assert all(isinstance(t, str) and t for t in texts)
@@ -358,7 +358,7 @@ def tiny_tfds_dir(tmp_path_factory):
 
 
 def test_tfds_prepared_dataset_decodes_text(tiny_tfds_dir):
-    docs = data.load_documents("tfds:ls_jax_tiny_text", "validation", text_field="text",
+    docs = sources.load_documents("tfds:ls_jax_tiny_text", "validation", text_field="text",
                                data_dir=tiny_tfds_dir)
     assert sorted(docs[i] for i in range(len(docs))) == \
         [f"tiny document {i} \u00e9\u00e8 \U0001f642\n" * 3 for i in (6, 7)]
@@ -370,36 +370,36 @@ def test_tfds_prepared_dataset_decodes_text(tiny_tfds_dir):
 def test_tfds_unknown_split_and_field_raise(tiny_tfds_dir):
     with pytest.raises(ValueError, match=r"split: expected one of \['train', 'validation'\].*"
                                          r"got 'test'"):
-        data.load_documents("tfds:ls_jax_tiny_text", "test", text_field="text",
+        sources.load_documents("tfds:ls_jax_tiny_text", "test", text_field="text",
                             data_dir=tiny_tfds_dir)
     with pytest.raises(ValueError, match=r"text_field: expected one of the features \['text'\]"):
-        data.load_documents("tfds:ls_jax_tiny_text", "train", text_field="book_text",
+        sources.load_documents("tfds:ls_jax_tiny_text", "train", text_field="book_text",
                             data_dir=tiny_tfds_dir)
 
 
 def test_tfds_unprepared_or_unknown_dataset_raises(tmp_path):
     pytest.importorskip("tensorflow_datasets")
     with pytest.raises(FileNotFoundError, match="'pg19' is not prepared"):
-        data.load_documents("tfds:pg19", "train", data_dir=str(tmp_path))
+        sources.load_documents("tfds:pg19", "train", data_dir=str(tmp_path))
     with pytest.raises(ValueError, match="unknown TFDS dataset 'no_such_dataset_xyz'"):
-        data.load_documents("tfds:no_such_dataset_xyz", "train")
+        sources.load_documents("tfds:no_such_dataset_xyz", "train")
 
 
 # -- bad inputs ----------------------------------------------------------------------------
 
 def test_bad_sources_and_splits_raise_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="source: expected 'stdlib', 'text:<glob>' or 'tfds:"):
-        data.load_documents("hf:wikitext", "train")
+        sources.load_documents("hf:wikitext", "train")
     with pytest.raises(FileNotFoundError, match="no files match the glob"):
-        data.load_documents(f"text:{tmp_path}/**/*.nothing", "train")
+        sources.load_documents(f"text:{tmp_path}/**/*.nothing", "train")
     with pytest.raises(ValueError, match=r"split: expected one of \('train', 'validation'\) "
                                          r"for source 'stdlib', got 'test'"):
-        data.load_documents("stdlib", "test")
+        sources.load_documents("stdlib", "test")
     (tmp_path / "only.txt").write_text("one file")
-    split = data.split_of("only.txt", 50)
+    split = sources.split_of("only.txt", 50)
     other = "train" if split == "validation" else "validation"
     with pytest.raises(ValueError, match=f"has no documents in split '{other}'"):
-        data.load_documents(f"text:{tmp_path}/*.txt", other, validation_percent=50)
+        sources.load_documents(f"text:{tmp_path}/*.txt", other, validation_percent=50)
 
 
 def test_make_dataset_rejects_bad_arguments():

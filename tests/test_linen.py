@@ -30,21 +30,21 @@ def test_linen_matches_nnx(options):
     if options.get("qk_norm"):
         nnx_layer.q_norm.scale[...] = 1.0 + 0.3 * jax.random.normal(jax.random.key(7), (HEAD_DIM,))
         nnx_layer.k_norm.scale[...] = 1.0 - 0.2 * jax.random.normal(jax.random.key(8), (HEAD_DIM,))
-    x_BxTxD = jax.random.normal(jax.random.key(2), (2, T, D_MODEL))
+    x_BxTxM = jax.random.normal(jax.random.key(2), (2, T, D_MODEL))
     linen_layer = LinenAttention(**kwargs)
-    linen_params = linen_layer.init(jax.random.key(3), x_BxTxD)["params"]
+    linen_params = linen_layer.init(jax.random.key(3), x_BxTxM)["params"]
     nnx_tree = nnx_params_as_linen_tree(nnx_layer)
 
     # the same parameter names and shapes
     shapes = lambda tree: jax.tree.map(lambda a: a.shape, tree)
     assert shapes(linen_params) == shapes(nnx_tree)
 
-    y_nnx, stats_nnx = nnx_layer(x_BxTxD, return_logit_stats=True)
-    y_linen, stats_linen = linen_layer.apply({"params": nnx_tree}, x_BxTxD, return_logit_stats=True)
+    y_nnx, stats_nnx = nnx_layer(x_BxTxM, return_logit_stats=True)
+    y_linen, stats_linen = linen_layer.apply({"params": nnx_tree}, x_BxTxM, return_logit_stats=True)
     np.testing.assert_allclose(np.asarray(y_linen), np.asarray(y_nnx), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(stats_linen), np.asarray(stats_nnx), rtol=1e-6)
     # and the output is not trivially equal to what the Linen init would give
-    y_own = linen_layer.apply({"params": linen_params}, x_BxTxD)
+    y_own = linen_layer.apply({"params": linen_params}, x_BxTxM)
     assert not np.allclose(np.asarray(y_own), np.asarray(y_nnx))
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import ls_jax.attention as attention_lib
 from ls_jax import LSAttention, ModelConfig, Transformer
 from ls_jax.loss import lm_loss
 
@@ -69,6 +70,24 @@ def test_stats_shapes_and_lm_head_max():
     assert stats["attn_max_abs_logit"].shape == (2, 4)
     assert np.all(np.asarray(stats["attn_max_abs_logit"]) > 0)
     assert float(stats["lm_head_max_abs_logit"]) == pytest.approx(float(jnp.abs(logits).max()))
+
+
+def test_logit_stats_are_requested_from_the_kernel_only_when_asked(monkeypatch):
+    real = attention_lib.ls_attention
+    asked = []
+
+    def recording(*args, return_logit_stats=False, **kwargs):
+        asked.append(return_logit_stats)
+        return real(*args, return_logit_stats=return_logit_stats, **kwargs)
+
+    monkeypatch.setattr(attention_lib, "ls_attention", recording)
+    model = Transformer(ModelConfig(**SMALL, n_global_heads=1), rngs=nnx.Rngs(0))
+    tokens = jnp.zeros((1, 9), jnp.int32)
+    plain = model(tokens)
+    assert asked == [False, False]  # one call per layer, none asking for statistics
+    with_stats, _ = model(tokens, return_stats=True)
+    assert asked == [False, False, True, True]
+    np.testing.assert_array_equal(plain, with_stats)
 
 
 @pytest.mark.parametrize("options", [

@@ -13,7 +13,7 @@ def test_library_example_runs():
     block = re.findall(r"```python\n(.*?)```", README, re.S)[0]
     namespace: dict = {}
     exec(compile(block, "README.md", "exec"), namespace)
-    assert namespace["y_BxTxD"].shape == (2, 1024, 192)
+    assert namespace["y_BxTxM"].shape == (2, 1024, 192)
     assert namespace["max_abs_logit_H"].shape == (6,)
     assert namespace["logits_BxTxV"].shape == (2, 512, 256)
     assert namespace["stats"]["attn_max_abs_logit"].shape == (2, 4)
@@ -23,7 +23,7 @@ def test_linen_and_attention_fn_example_runs():
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "make_attention_fn" in b]
     namespace: dict = {}
     exec(compile(block, "README.md", "exec"), namespace)
-    for name in ("y_BxTxD", "y_nnx", "y_linen"):
+    for name in ("y_BxTxM", "y_nnx", "y_linen"):
         assert namespace[name].shape == (2, 64, 128), name
 
 

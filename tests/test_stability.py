@@ -5,8 +5,9 @@ import os
 
 import pytest
 
-from ls_jax.experiments import stability
-from ls_jax.experiments.stability_report import count_spikes, summarize
+from experiments import stability
+from experiments.stability_report import count_spikes, summarize
+from ls_jax.configs import get_config
 
 
 def test_smoke_run_writes_metrics_plot_and_table(tmp_path):
@@ -41,18 +42,30 @@ def test_smoke_run_writes_metrics_plot_and_table(tmp_path):
         stability.run(out, "smoke", overrides=["train.lr=1e-3"], log=lambda m: None)
 
 
-def test_variant_configs():
-    base = stability.base_config("gpu")
-    assert base.model.window_sizes == (None, 50, 50, 50, 50, 50)
-    assert (base.model.n_layer, base.model.n_head, base.model.head_dim, base.model.d_model) == (6, 6, 32, 192)
-    assert stability.variant_config(base, "mhsa").model.window_sizes == (None,) * 6
-    assert stability.variant_config(base, "mhsa_qknorm").model.qk_norm
-    assert stability.variant_config(base, "mhsa_zloss").train.z_loss == 1e-4
-    assert stability.base_config("gpu_long").data.seq_len == 8192
+def test_variant_configs_are_the_named_paper_configs_rescaled():
+    for variant, name in (("ls", "paper"), ("mhsa", "paper_mhsa"),
+                          ("mhsa_qknorm", "paper_qknorm"), ("mhsa_zloss", "paper_zloss")):
+        named = get_config(name)
+        cfg = stability.variant_config("gpu", variant)
+        assert cfg.name == f"stability_gpu_{variant}"
+        for key in ("n_layer", "n_head", "head_dim", "d_model", "n_global_heads", "window",
+                    "qk_norm", "compute_dtype"):
+            assert getattr(cfg.model, key) == getattr(named.model, key), (variant, key)
+        assert cfg.train.z_loss == named.train.z_loss
+        # the gpu stress setting: bytes on the stdlib corpus, lr 3e-3, T=2048, batch 32
+        assert (cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size) == ("stdlib", "bytes", 256)
+        assert (cfg.train.lr, cfg.data.seq_len, cfg.train.batch_size) == (3e-3, 2048, 32)
+    assert stability.variant_config("gpu", "ls").model.window_sizes == (None, 50, 50, 50, 50, 50)
+    assert stability.variant_config("gpu", "mhsa").model.window_sizes == (None,) * 6
+    assert stability.variant_config("gpu", "mhsa_qknorm").model.qk_norm
+    assert stability.variant_config("gpu", "mhsa_zloss").train.z_loss == 1e-4
+    assert stability.variant_config("gpu_long", "ls").data.seq_len == 8192
     with pytest.raises(ValueError, match=r"variants: expected names from .*got 'flash'"):
-        stability.variant_config(base, "flash")
+        stability.variant_config("gpu", "flash")
     with pytest.raises(ValueError, match=r"preset: expected one of .*got 'huge'"):
-        stability.base_config("huge")
+        stability.variant_config("huge", "ls")
+    with pytest.raises(ValueError, match=r"overrides: expected none of .*model.qk_norm=true"):
+        stability.variant_config("smoke", "ls", ["model.qk_norm=true"])
 
 
 def test_count_spikes():

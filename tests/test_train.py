@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,9 +15,10 @@ import pytest
 import ls_jax.train as train_lib
 from ls_jax.configs import get_config
 from ls_jax.checkpoint import CheckpointError, Checkpointer
-from ls_jax.cli import eval_main
+from ls_jax.configs.cli import eval_main
 from ls_jax.evaluate import evaluate_checkpoint
 from ls_jax.metrics import read_jsonl
+from ls_jax.state import abstract_train_state
 from ls_jax.train import TrainingDiverged, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,6 +58,22 @@ def test_one_step_finite_then_fifty_steps_lower_the_loss(tmp_path):
     assert any(f.startswith("events.out.tfevents")
                for f in os.listdir(os.path.join(tmp_path, "tensorboard")))
     assert Checkpointer(str(tmp_path), create=False).all_steps() == [50]
+
+
+def test_logit_stats_are_computed_on_logged_steps_only(tmp_path):
+    cfg = micro_config("train.num_steps=3", "train.save_every=3", "train.log_every=2")
+    result = train(cfg, str(tmp_path), log=quiet)
+    assert sorted(result.losses) == [1, 2, 3] and all(np.isfinite(list(result.losses.values())))
+    records = [r for r in read_jsonl(os.path.join(tmp_path, "metrics.jsonl")) if "loss" in r]
+    assert [r["step"] for r in records] == [2, 3]  # every 2nd step and the last
+    assert all(np.array(r["attn_max_abs_logit"]).shape == (2, 2) for r in records)
+    graphdef, abstract = abstract_train_state(cfg)
+    batch = {k: jax.ShapeDtypeStruct((8, 64), jnp.int32) for k in ("inputs", "targets")}
+    for with_stats in (False, True):
+        step = train_lib.make_train_step(graphdef, cfg, with_stats=with_stats)
+        _, metrics = jax.eval_shape(step, abstract, batch)
+        assert ("attn_max_abs_logit" in metrics) == with_stats
+        assert {"loss", "grad_norm", "lr"} <= set(metrics)
 
 
 def test_resume_is_bit_exact(tmp_path):

@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from ls_jax.metrics import read_jsonl
+from ls_jax.rundir import RunDir
 
 SPIKE_FACTOR = 1.5  # a spike: loss > 1.5x the running median of the preceding losses
 SPIKE_WINDOW = 50  # logged steps in that running median
@@ -104,7 +105,7 @@ def plot(out: str, series: dict[str, list[dict]]) -> str:
 
 def write_report(out: str, variants, statuses: dict[str, dict], base_cfg) -> dict[str, dict]:
     os.makedirs(out, exist_ok=True)
-    series = {v: read_jsonl(os.path.join(out, v, "metrics.jsonl")) for v in variants}
+    series = {v: read_jsonl(RunDir(os.path.join(out, v)).metrics_path) for v in variants}
     summaries = {v: summarize(series[v], statuses.get(v, {})) for v in variants}
     plot(out, series)
     m, d, t = base_cfg.model, base_cfg.data, base_cfg.train

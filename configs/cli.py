@@ -1,9 +1,18 @@
-"""Argument parsing and entry functions behind the thin ``train.py`` and ``eval.py`` scripts."""
+"""Argument parsing and entry functions behind the thin ``train.py`` and ``eval.py`` scripts.
+
+It sits above the library: it resolves named configs (this package) and calls ``ls_jax``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from ls_jax.checkpoint import CheckpointError
+from ls_jax.configs import get_config
+from ls_jax.evaluate import evaluate_checkpoint
+from ls_jax.mesh import maybe_initialize_distributed
+from ls_jax.train import TrainingDiverged, train
 
 
 def train_main(argv: list[str] | None = None) -> int:
@@ -19,11 +28,6 @@ def train_main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides, e.g. train.lr=1e-3 model.window=64")
     args = parser.parse_args(argv)
-
-    from ls_jax.configs import get_config
-    from ls_jax.mesh import maybe_initialize_distributed
-    from ls_jax.train import TrainingDiverged, train
-
     try:
         cfg = get_config(args.config, args.overrides)
     except ValueError as e:
@@ -51,10 +55,6 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=None, help="default: training's")
     parser.add_argument("--output", default=None, help="JSON output path")
     args = parser.parse_args(argv)
-
-    from ls_jax.checkpoint import CheckpointError
-    from ls_jax.evaluate import evaluate_checkpoint
-
     try:
         result = evaluate_checkpoint(args.checkpoint, step=args.step, split=args.split,
                                      seq_len=args.seq_len, max_batches=args.max_batches,

@@ -1,0 +1,1 @@
+"""Experiments built on the library, run from the repository root (`python -m experiments.stability`)."""

@@ -1,1 +1,0 @@
-"""Experiments built on the library (stability: the paper's logit-growth comparison)."""

@@ -1,0 +1,186 @@
+"""The package layering, read from the source: kernels <- ls_jax <- configs / entry scripts.
+
+An AST walk over ``ls_jax/`` and ``kernels/`` (installed as ``ls_jax.kernels``) collects every
+import statement, at module level or inside a function, and fails on
+
+* an import cycle between modules of the package, and
+* an upward import: ``ls_jax.kernels`` importing ``ls_jax`` outside ``ls_jax.kernels``, or the
+  library importing ``ls_jax.configs`` or the repository's experiments/bench/tests scripts.
+
+The same checks run on small synthetic module graphs first, so the test is known to fail when
+it should.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# folder in the repository -> the package name it installs as (pyproject package-dir)
+PACKAGE_DIRS = {"ls_jax": "ls_jax", "kernels": "ls_jax.kernels"}
+KERNELS = "ls_jax.kernels"
+# what the library must never import: the layer above it and the repository's scripts
+ABOVE_LIBRARY = ("ls_jax.configs", "configs", "experiments", "bench", "tests", "train", "eval")
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def read_package_sources() -> tuple[dict[str, str], set[str]]:
+    """{module name: source} of every .py file in the package folders, and the package names."""
+    sources, packages = {}, set()
+    for folder, package in PACKAGE_DIRS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+                packages.add(".".join([package, *parts]))
+            sources[".".join([package, *parts])] = path.read_text()
+    return sources, packages
+
+
+def imported_names(module: str, source: str, modules: set[str], packages: set[str]) -> set[str]:
+    """Every module ``module`` imports, anywhere in its source (functions included).
+
+    ``from X import y`` counts as an import of ``X.y`` when that is a module, else of ``X``;
+    relative imports are resolved against ``module``.
+    """
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                if module not in packages:
+                    base = base[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            for alias in node.names:
+                full = f"{target}.{alias.name}"
+                names.add(full if full in modules else target)
+    return names
+
+
+def import_graph(sources: dict[str, str], packages: set[str] = frozenset()) -> dict[str, set[str]]:
+    """{module: every name it imports} (internal and external)."""
+    modules = set(sources)
+    return {m: imported_names(m, src, modules, set(packages)) for m, src in sources.items()}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles among the graph's own modules, as strongly connected components of
+    more than one module (or a module importing itself)."""
+    internal = {m: {t for t in targets if t in graph} for m, targets in graph.items()}
+    index, low, on_stack, stack, components = {}, {}, set(), [], []
+
+    def visit(m):
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on_stack.add(m)
+        for t in sorted(internal[m]):
+            if t not in index:
+                visit(t)
+                low[m] = min(low[m], low[t])
+            elif t in on_stack:
+                low[m] = min(low[m], index[t])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                t = stack.pop()
+                on_stack.discard(t)
+                component.append(t)
+                if t == m:
+                    break
+            if len(component) > 1 or m in internal[m]:
+                components.append(sorted(component))
+
+    for m in sorted(internal):
+        if m not in index:
+            visit(m)
+    return components
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """'importer -> imported' for every import against the layering."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if _within(module, KERNELS):
+                if _within(target, "ls_jax") and not _within(target, KERNELS):
+                    bad.append(f"{module} -> {target}")
+            elif any(_within(target, above) for above in ABOVE_LIBRARY):
+                bad.append(f"{module} -> {target}")
+    return bad
+
+
+# -- the checks on synthetic graphs: they must fail where they should -------------------------
+
+def test_checks_catch_a_cycle_hidden_in_a_function():
+    sources = {
+        "ls_jax": "",
+        "ls_jax.data": "from ls_jax.tokenizer import make_tokenizer\n",
+        "ls_jax.tokenizer": "def train():\n    from ls_jax.data import load_documents\n",
+        "ls_jax.model": "from . import data\n",
+    }
+    graph = import_graph(sources, {"ls_jax"})
+    assert graph["ls_jax.model"] == {"ls_jax.data"}
+    assert find_cycles(graph) == [["ls_jax.data", "ls_jax.tokenizer"]]
+    del sources["ls_jax.tokenizer"]
+    assert find_cycles(import_graph(sources, {"ls_jax"})) == []
+
+
+def test_checks_catch_a_module_importing_itself_and_a_three_cycle():
+    graph = import_graph({"p.a": "import p.b\n", "p.b": "from p import c\n",
+                          "p.c": "import p.a, os\n", "p.d": "import p.d\n"})
+    assert find_cycles(graph) == [["p.a", "p.b", "p.c"], ["p.d"]]
+
+
+def test_checks_catch_upward_imports():
+    sources = {
+        "ls_jax.kernels.api": "import jax\nfrom ls_jax.kernels import band\n",
+        "ls_jax.kernels.band": "def f():\n    from ls_jax.config import ModelConfig\n",
+        "ls_jax.cli": "from ls_jax.configs import get_config\n",
+        "ls_jax.train": "import experiments.stability\nfrom bench import attention\n",
+        "ls_jax.model": "from ls_jax.kernels import api\nimport numpy\n",
+    }
+    assert upward_imports(import_graph(sources)) == [
+        "ls_jax.cli -> ls_jax.configs",
+        "ls_jax.kernels.band -> ls_jax.config",
+        "ls_jax.train -> bench",
+        "ls_jax.train -> experiments.stability",
+    ]
+
+
+def test_relative_imports_resolve_against_the_package():
+    sources = {"ls_jax.kernels": "from .api import ls_attention\n",
+               "ls_jax.kernels.api": "from . import band\nfrom .. import config\n",
+               "ls_jax.kernels.band": ""}
+    graph = import_graph(sources, {"ls_jax.kernels"})
+    assert graph["ls_jax.kernels"] == {"ls_jax.kernels.api"}
+    assert graph["ls_jax.kernels.api"] == {"ls_jax.kernels.band", "ls_jax"}
+    assert upward_imports(graph) == ["ls_jax.kernels.api -> ls_jax"]
+
+
+# -- the real package ---------------------------------------------------------------------------
+
+def test_the_package_is_read():
+    sources, packages = read_package_sources()
+    assert {"ls_jax", "ls_jax.train", "ls_jax.kernels", "ls_jax.kernels.api"} <= set(sources)
+    assert {"ls_jax", "ls_jax.kernels"} <= packages
+    graph = import_graph(sources, packages)
+    assert "ls_jax.config" in graph["ls_jax.model"]
+
+
+def test_no_import_cycles_in_the_package():
+    sources, packages = read_package_sources()
+    assert find_cycles(import_graph(sources, packages)) == []
+
+
+def test_no_upward_imports_in_the_package():
+    sources, packages = read_package_sources()
+    assert upward_imports(import_graph(sources, packages)) == []

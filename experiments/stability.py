@@ -36,7 +36,7 @@ VARIANT_CONFIGS = {"ls": "paper", "mhsa": "paper_mhsa", "mhsa_qknorm": "paper_qk
                    "mhsa_zloss": "paper_zloss"}
 VARIANTS = tuple(VARIANT_CONFIGS)
 
-# The paper's model (6L, 6 heads x 32, d=192, 1 global + 5 local, p=50, bf16) and optimizer
+# The paper's model (6L, 6 heads x 32, d=192, 1 global + 5 local, p=51, bf16) and optimizer
 # (AdamW betas .9/.95, wd .1, clip 1, warmup + cosine) come from the named configs; the gpu
 # presets stress them to show within minutes what the paper saw after 20-30k steps: a 5x higher
 # peak lr (3e-3), a short warmup, and byte-level text (the densest short-range dependencies).

@@ -7,6 +7,7 @@ Layout of ``<workdir>`` (``train.py --workdir``, ``eval.py --checkpoint``)::
     metrics.jsonl                     one JSON record per logged step (see ls_jax.metrics)
     metrics.jsonl.old                 the log of an earlier run that was started over
     tensorboard/                      the same numbers as TensorBoard event files
+    tensorboard/plugins/profile/      JAX profiler traces of train.profile_steps (ls_jax.profiler)
     eval_step<S>_<split>_T<T>.json    eval.py's results
     status.json                       the state of a run driven by an experiment
 

@@ -30,6 +30,7 @@ from ls_jax.loss import lm_loss
 from ls_jax.metrics import MetricsWriter, logit_norm_summary
 from ls_jax.model import count_params
 from ls_jax.optimizer import learning_rate_schedule
+from ls_jax.profiler import StepProfiler
 from ls_jax.rundir import RunDir
 from ls_jax.state import abstract_train_state, create_model_and_optimizer
 from ls_jax.tokenizer import make_tokenizer
@@ -125,16 +126,19 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
         ckpt = Checkpointer(run, keep=cfg.train.keep_checkpoints,
                             async_save=cfg.train.async_checkpoints)
         step_log = None
+        profiler = StepProfiler(cfg.train.profile_range, run.tensorboard_dir, log)
         try:
             graphdef, state, start_step = _restore_or_init(cfg, mesh, ckpt, data_iter, log)
             step_log = _StepLog(cfg, run, start_step, log, enabled=is_main)
             with _Stopper(stop_after_steps, stop_at_time) as stopper:
                 state, final_step, interrupted = _step_loop(
-                    cfg, mesh, graphdef, state, start_step, data_iter, ckpt, step_log, stopper, log)
+                    cfg, mesh, graphdef, state, start_step, data_iter, ckpt, step_log, stopper,
+                    profiler, log)
             eval_metrics = None
             if final_step == cfg.train.num_steps and not interrupted:
                 eval_metrics = _final_eval(cfg, graphdef, state, final_step, step_log, log)
         finally:
+            profiler.close()
             if step_log is not None:
                 step_log.close()
             ckpt.close()
@@ -190,7 +194,8 @@ def _restore_or_init(cfg: Config, mesh, ckpt: Checkpointer, data_iter, log):
 
 
 def _step_loop(cfg: Config, mesh, graphdef, state, start_step: int, data_iter,
-               ckpt: Checkpointer, step_log: "_StepLog", stopper: "_Stopper", log):
+               ckpt: Checkpointer, step_log: "_StepLog", stopper: "_Stopper",
+               profiler: StepProfiler, log):
     """Runs steps until num_steps or a stop; returns (state, final step, interrupted)."""
     tcfg = cfg.train
     replicated, data_sharding = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
@@ -201,8 +206,10 @@ def _step_loop(cfg: Config, mesh, graphdef, state, start_step: int, data_iter,
     step, why_stop = start_step, None
     while step < tcfg.num_steps and why_stop is None:
         batch = mesh_lib.global_batch(next(data_iter), data_sharding)
+        profiler.before_step(step + 1)
         state, dev_metrics = step_fns[step_log.logs(step + 1)](state, batch)
         step += 1
+        profiler.after_step(step, dev_metrics)
         step_log.record(step, dev_metrics)
         why_stop = stopper.after_step()
         at_eval = tcfg.eval_every and step % tcfg.eval_every == 0

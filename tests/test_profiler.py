@@ -50,3 +50,19 @@ def test_step_profiler_resumed_past_the_window_traces_nothing(tmp_path):
         profiler.before_step(step)
         profiler.after_step(step, jnp.ones(2))
     assert not profiler.active and not os.path.exists(tmp_path / "tb")
+
+
+def test_training_writes_a_trace_of_the_profiled_steps(tmp_path):
+    from ls_jax.train import train
+    cfg = get_config("tiny", [
+        "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.head_dim=16",
+        "model.window=8", "model.max_seq_len=32", "data.seq_len=32", "data.shuffle_window=16",
+        "train.batch_size=2", "train.warmup_steps=1", "train.num_steps=3", "train.save_every=3",
+        "train.eval_batches=1", "train.progress=false", "train.async_checkpoints=false",
+        "train.profile_steps=2:2"])
+    messages = []
+    train(cfg, str(tmp_path / "run"), log=messages.append)
+    profile_dir = tmp_path / "run" / "tensorboard" / "plugins" / "profile"
+    files = trace_files(profile_dir)
+    assert any(f.endswith(".xplane.pb") and os.path.getsize(f) > 0 for f in files), files
+    assert f"profiling steps 2..2 into {tmp_path / 'run' / 'tensorboard'}" in messages

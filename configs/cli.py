@@ -54,11 +54,15 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batches", type=int, default=None, help="cap on batches (default: all)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: training's")
     parser.add_argument("--output", default=None, help="JSON output path")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="config overrides that leave the model alone: data.* (e.g. a moved "
+                             "data.data_dir or data.tokenizer path) and train.*; model.* is refused")
     args = parser.parse_args(argv)
     try:
         result = evaluate_checkpoint(args.checkpoint, step=args.step, split=args.split,
                                      seq_len=args.seq_len, max_batches=args.max_batches,
-                                     batch_size=args.batch_size, output=args.output)
+                                     batch_size=args.batch_size, output=args.output,
+                                     overrides=args.overrides)
     except (CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -51,8 +51,13 @@ class Checkpointer:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-    def restore(self, step: int | None, abstract_state: Any, data_iterator: Any | None = None):
-        """Restores ``state`` (and the iterator in place) at ``step`` (None: the latest)."""
+    def restore(self, step: int | None, abstract_state: Any, data_iterator: Any | None = None,
+                *, partial: bool = False):
+        """Restores ``state`` (and the iterator in place) at ``step`` (None: the latest).
+
+        partial: ``abstract_state`` names a part of the saved state (a subset of its keys); only
+        that part is read from disk.
+        """
         steps = self.all_steps()
         if not steps:
             raise CheckpointError(
@@ -63,7 +68,12 @@ class Checkpointer:
         if step not in steps:
             raise CheckpointError(
                 f"checkpoint: expected a step in {steps} for {self.directory}, got {step}")
-        items = {"state": ocp.args.StandardRestore(abstract_state)}
+        if partial:
+            items = {"state": ocp.args.PyTreeRestore(
+                item=abstract_state, partial_restore=True,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))}
+        else:
+            items = {"state": ocp.args.StandardRestore(abstract_state)}
         if data_iterator is not None:
             import grain
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)

@@ -8,11 +8,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ls_jax.checkpoint import CheckpointError
 from ls_jax.configs import get_config
-from ls_jax.evaluate import evaluate_checkpoint
-from ls_jax.mesh import maybe_initialize_distributed
-from ls_jax.train import TrainingDiverged, train
+
+try:
+    from ls_jax.checkpoint import CheckpointError
+    from ls_jax.evaluate import evaluate_checkpoint
+    from ls_jax.mesh import maybe_initialize_distributed
+    from ls_jax.train import TrainingDiverged, train
+except ModuleNotFoundError as e:  # a core-only install: `pip install ls-jax` without [train]
+    raise SystemExit(f"error: training and evaluation need the [train] extra (missing module "
+                     f"{e.name!r}): pip install 'ls-jax[train]'") from e
 
 
 def train_main(argv: list[str] | None = None) -> int:

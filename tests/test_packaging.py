@@ -31,7 +31,7 @@ CHECK = textwrap.dedent("""
     class Block(importlib.abc.MetaPathFinder):  # the [train] extra is not installed
         def find_spec(self, name, path=None, target=None):
             if name.split(".")[0] in TRAIN_ONLY:
-                raise ImportError(f"{name} is blocked (not a core dependency)")
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
     sys.meta_path.insert(0, Block())
 
     import configs, kernels
@@ -115,3 +115,14 @@ def test_wheel_installs_beside_other_kernels_and_configs(tmp_path):
     assert (r["tiny_name"], r["paper_window"]) == ("tiny", 51)
     for script in SCRIPTS:
         assert os.access(venv / "bin" / script, os.X_OK), script
+    # the console script runs from the wheel (the locked [train] packages importable)
+    proc = subprocess.run([str(venv / "bin" / "ls-jax-eval"), "--help"], cwd=outside, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "section.key=value" in proc.stdout, proc.stderr[-3000:]
+    # without the [train] extra: one line naming it, non-zero exit
+    blocked = CHECK[:CHECK.index("import configs, kernels")] + "import ls_jax.configs.cli\n"
+    proc = subprocess.run([py, "-c", f"TRAIN_ONLY = {TRAIN_ONLY!r}\n" + blocked], cwd=outside,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.strip().startswith(
+        "error: training and evaluation need the [train] extra (missing module"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

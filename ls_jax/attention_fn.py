@@ -71,6 +71,10 @@ def make_attention_fn(window_sizes: Sequence[int | None], implementation: str | 
       implementation: ``ls_attention`` backend (None: best for the platform).
       interpret: run a Pallas backend in interpret mode (CPU testing).
     """
+    if isinstance(window_sizes, (str, bytes)) or not isinstance(window_sizes, Sequence):
+        raise ValueError(
+            f"window_sizes: expected a tuple with one entry per query head (int >= 1 for a local "
+            f"head, None for a global one), got {window_sizes!r}")
     windows = normalize_window_sizes(window_sizes, len(window_sizes))
 
     def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
@@ -121,7 +125,10 @@ def make_attention_fn(window_sizes: Sequence[int | None], implementation: str | 
         if dtype is None:
             dtype = jnp.result_type(query.dtype, key.dtype, value.dtype)
         batch = query.shape[:-3]
-        flat = lambda x: x.astype(dtype).reshape((math.prod(batch),) + x.shape[-3:])
+
+        def flat(x):  # [batch..., T, heads, D] -> [B, T, heads, D]
+            return x.astype(dtype).reshape((math.prod(batch),) + x.shape[-3:])
+
         out_BxTxHxD = ls_attention(flat(query), flat(key), flat(value), windows,
                                    implementation=implementation, interpret=interpret)
         return out_BxTxHxD.reshape(batch + out_BxTxHxD.shape[1:])

@@ -126,6 +126,8 @@ def test_refuses_what_it_cannot_honour():
         linen_layer.apply(params, x, mask=padding)
     with pytest.raises(ValueError, match=r"window_sizes: expected one entry per query head \(4\)"):
         make_attention_fn((None, 3))(q, k, v)
+    with pytest.raises(ValueError, match=r"window_sizes: expected a tuple with one entry per query head"):
+        make_attention_fn(51)
 
 
 @pytest.mark.parametrize("p", [1, 4])

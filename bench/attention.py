@@ -4,7 +4,7 @@ Prints one markdown table: forward ms and forward+backward ms, and effective TF/
 only the work inside the band (``kernels.band.band_flops``; full causal for the causal peers).
 
 Rows per (D, n):
-  ours[...]     kernels.pallas_gpu, one call for all heads (per p and head mix; in the
+  ours[...]     kernels/pallas_gpu/ (pallas_gpu_attention), one call for all heads (per p and head mix; in the
                 "causal" rows every head is global: the same work as the two causal peers)
   cudnn_ls      the cuDNN composition, implementation="cudnn" (per p and head mix)
   cudnn_causal  jax.nn.dot_product_attention(implementation="cudnn", is_causal=True), all heads
@@ -101,10 +101,10 @@ def attention_fns(impl: str, windows, D: int, config: KernelConfig | None):
     scale = 1.0 / float(np.sqrt(D))
     if impl.startswith("ours"):
         def attn(q, k, v):
-            return pallas_gpu_attention(q, k, v, windows, sm_scale=scale, config=config)[0]
+            return pallas_gpu_attention(q, k, v, windows, scale=scale, config=config)[0]
     elif impl == "cudnn_ls":
         def attn(q, k, v):
-            return ls_attention(q, k, v, windows, sm_scale=scale, implementation="cudnn")
+            return ls_attention(q, k, v, windows, scale=scale, implementation="cudnn")
     elif impl == "cudnn_causal":
         def attn(q, k, v):
             return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,

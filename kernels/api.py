@@ -1,59 +1,66 @@
 """The one public attention entry point, its input validation and backend dispatch.
 
 Every backend (pure-JAX reference, cuDNN composition, Pallas GPU, Pallas TPU) computes the
-same function: causal attention where each query head has its own window. For head h with
-window p (an int >= 1), query i sees keys j with i - p < j <= i; with window None it sees
-every j <= i. With ``segment_ids`` a query only sees keys of its own segment as well.
+same function: causal attention where each query head has its own window (the band, defined
+once in ``kernels/band.py``). For head h with window p (an int >= 1), query i sees the p keys
+i - p < j <= i; with window None it sees every j <= i. With ``segment_ids`` a query only sees
+keys of its own segment as well.
+
+Shape letters (array names carry them as suffixes, e.g. ``q_BxTxHxD``; one legend for the
+whole project, kernels/, ls_jax/ and experiments/ alike):
+
+  B     batch
+  T     sequence positions (queries); S the same positions as keys, in [T, S] score matrices
+  H     query heads (Hq in prose)
+  G     key/value heads (Hkv in prose); G divides H, query head h reads kv head h // (H // G)
+  D     head dimension
+  M     model width (d_model); V vocabulary; L layers; R RoPE frequency pairs (D / 2)
+  Q, K  rows of one query block / one key block of a kernel tile, e.g. ``s_QxK``
+  C, E  chunks / work-list entries per chunk of a TPU work list (``kernels/pallas_tpu/plan.py``)
+  N     a generic length (a 1-D token array, a row count); digits are literal sizes
+        (``m_Qx128``: 128 lanes)
 
 A backend is a function
 
-    fn(q, k, v, *, window_sizes, segment_ids, sm_scale, return_logit_stats, interpret)
+    fn(q, k, v, *, window_sizes, segment_ids, scale, return_logit_stats, interpret)
         -> (out_BxTxHxD, max_abs_logit_H or None)
 
-registered by name in ``_BACKENDS`` as "module:function" and imported on first use, so that
-importing ``kernels`` never pulls in Triton or Mosaic.
+that gets validated inputs: ``window_sizes`` as returned by ``normalize_window_sizes`` (a
+tuple of int >= 1 or None, one per query head) and ``scale`` a float. ``get_backend`` imports
+it on first use, so that importing ``kernels`` never pulls in Triton or Mosaic. Which backend
+``implementation=None`` picks is ``kernels/dispatch.py``.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ls_jax.kernels.band import WindowSizes
+from ls_jax.kernels.dispatch import (
+    DEFAULT_IMPLEMENTATION,
+    IMPLEMENTATIONS,
+    PALLAS_IMPLEMENTATIONS,
+    choose_implementation,
+)
+from ls_jax.kernels.reference import default_scale
+
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
-_BACKENDS = {
-    "reference": "ls_jax.kernels.reference:reference_backend",
-    "cudnn": "ls_jax.kernels.cudnn:cudnn_backend",
-    "pallas_gpu": "ls_jax.kernels.pallas_gpu:pallas_gpu_backend",
-    "pallas_tpu": "ls_jax.kernels.pallas_tpu:pallas_tpu_backend",
-}
-IMPLEMENTATIONS = tuple(_BACKENDS)
-PALLAS_IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu")
-
-# What `implementation=None` means on each JAX platform.
-DEFAULT_IMPLEMENTATION = {
-    "cpu": "reference",
-    "gpu": "pallas_gpu",
-    "cuda": "pallas_gpu",
-    "rocm": "reference",
-    "tpu": "pallas_tpu",
-}
+__all__ = ["DEFAULT_IMPLEMENTATION", "IMPLEMENTATIONS", "LogitStats", "default_implementation",
+           "get_backend", "ls_attention", "normalize_window_sizes", "validate_inputs"]
 
 
 class LogitStats(NamedTuple):
-    """Statistics of the pre-softmax logits ``sm_scale * q_i . k_j`` over allowed pairs.
+    """Statistics of the pre-softmax logits ``scale * q_i . k_j`` over allowed pairs.
 
-    max_abs_logit: float32 [Hq], max over batch and allowed (i, j) of the absolute logit.
+    max_abs_logit: float32 [H], max over batch and allowed (i, j) of the absolute logit.
     """
 
     max_abs_logit: jax.Array
-
-
-WindowSizes = tuple[int | None, ...]
 
 
 def normalize_window_sizes(window_sizes: Any, num_heads: int) -> WindowSizes:
@@ -81,8 +88,9 @@ def normalize_window_sizes(window_sizes: Any, num_heads: int) -> WindowSizes:
     return tuple(out)
 
 
-def validate_inputs(q, k, v, window_sizes, segment_ids, sm_scale) -> tuple[WindowSizes, float]:
-    """Raises ValueError naming the argument, the expectation and the given value."""
+def validate_inputs(q, k, v, window_sizes, segment_ids, scale) -> tuple[WindowSizes, float]:
+    """Raises ValueError naming the argument, the expectation and the given value; returns
+    the window list in its one representation and the scale as a float."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise ValueError(f"{name}: expected an array of shape [B, T, H, D], got {type(x).__name__}")
@@ -92,19 +100,19 @@ def validate_inputs(q, k, v, window_sizes, segment_ids, sm_scale) -> tuple[Windo
         if x.dtype not in SUPPORTED_DTYPES:
             raise ValueError(
                 f"{name}: expected dtype float32, bfloat16 or float16, got {x.dtype}")
-    B, T, Hq, D = q.shape
+    B, T, H, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v: expected the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    Bk, Tk, Hkv, Dk = k.shape
+    Bk, Tk, G, Dk = k.shape
     if (Bk, Tk, Dk) != (B, T, D):
         raise ValueError(
             f"k: expected shape [B={B}, T={T}, Hkv, D={D}] to match q {tuple(q.shape)}, "
             f"got {tuple(k.shape)}")
     if not (k.dtype == v.dtype == q.dtype):
         raise ValueError(f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if Hkv < 1 or Hq % Hkv:
+    if G < 1 or H % G:
         raise ValueError(
-            f"k: expected a number of kv heads that divides the query heads Hq={Hq}, got Hkv={Hkv}")
+            f"k: expected a number of kv heads that divides the query heads Hq={H}, got Hkv={G}")
     if T < 1 or D < 1 or B < 1:
         raise ValueError(f"q: expected non-empty B, T, D, got shape {tuple(q.shape)}")
     if segment_ids is not None:
@@ -114,64 +122,86 @@ def validate_inputs(q, k, v, window_sizes, segment_ids, sm_scale) -> tuple[Windo
                 f"{getattr(segment_ids, 'shape', type(segment_ids).__name__)}")
         if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
             raise ValueError(f"segment_ids: expected an integer dtype, got {segment_ids.dtype}")
-    windows = normalize_window_sizes(window_sizes, Hq)
-    if sm_scale is None:
-        sm_scale = 1.0 / float(np.sqrt(D))
-    elif isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float, np.floating)) \
-            or not np.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"sm_scale: expected a finite float > 0 or None, got {sm_scale!r}")
-    return windows, float(sm_scale)
+    windows = normalize_window_sizes(window_sizes, H)
+    if scale is None:
+        scale = default_scale(D)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) \
+            or not np.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: expected a finite float > 0 or None, got {scale!r}")
+    return windows, float(scale)
 
 
 def default_implementation(platform: str | None = None) -> str:
-    """The backend ``implementation=None`` picks on ``platform`` (default: JAX's default backend)."""
-    platform = platform or jax.default_backend()
-    return DEFAULT_IMPLEMENTATION.get(platform, "reference")
+    """The backend ``implementation=None`` picks on ``platform`` (default: JAX's default
+    platform) when the case does not change it; per call, see ``kernels/dispatch.py``."""
+    return choose_implementation(platform)
 
 
 def get_backend(implementation: str):
-    if implementation not in _BACKENDS:
-        raise ValueError(
-            f"implementation: expected None or one of {IMPLEMENTATIONS}, got {implementation!r}")
-    module_name, fn_name = _BACKENDS[implementation].split(":")
-    return getattr(importlib.import_module(module_name), fn_name)
+    """The backend function of ``implementation``, imported on first use."""
+    if implementation == "reference":
+        from ls_jax.kernels.reference import reference_backend
+        return reference_backend
+    if implementation == "cudnn":
+        from ls_jax.kernels.cudnn import cudnn_backend
+        return cudnn_backend
+    if implementation == "pallas_gpu":
+        from ls_jax.kernels.pallas_gpu import pallas_gpu_backend
+        return pallas_gpu_backend
+    if implementation == "pallas_tpu":
+        from ls_jax.kernels.pallas_tpu import pallas_tpu_backend
+        return pallas_tpu_backend
+    raise ValueError(
+        f"implementation: expected None or one of {IMPLEMENTATIONS}, got {implementation!r}")
 
 
-def ls_attention(q, k, v, window_sizes, *, segment_ids=None, sm_scale=None,
+def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
                  return_logit_stats=False, implementation=None, interpret=False):
     """Causal attention with a window per query head (LS-attention), in one call for all heads.
+
+    Window semantics, side by side (p an int >= 1):
+
+    | here | ``jax.nn.dot_product_attention`` | flash-attention |
+    |---|---|---|
+    | ``p``: query i sees the p keys i - p < j <= i (itself included) | ``is_causal=True, local_window_size=(p - 1, 0)`` | ``causal=True, window_size=(p - 1, 0)`` |
+    | ``None`` (global): every key j <= i | ``is_causal=True`` | ``causal=True, window_size=(-1, -1)`` |
+
+    So flash-attention's ``window_size=(span, 0)`` is ``p = span + 1`` here.
 
     Args:
       q: [B, T, Hq, D] queries (float32, bfloat16 or float16).
       k, v: [B, T, Hkv, D] keys and values, Hkv divides Hq (GQA: query head h reads kv head
         h // (Hq // Hkv)).
-      window_sizes: length-Hq tuple; an int p >= 1 makes head h local (query i sees keys
-        i - p < j <= i), None makes it global (j <= i). Must be static (Python values).
+      window_sizes: length-Hq tuple; an int p >= 1 makes head h local, None makes it global
+        (see the table). Must be static (Python values).
       segment_ids: optional int [B, T]; queries only see keys with the same segment id.
-      sm_scale: logit scale, default 1 / sqrt(D).
+      scale: logit scale, default 1 / sqrt(D) (as in ``jax.nn.dot_product_attention``).
       return_logit_stats: also return ``LogitStats`` (no gradient flows through them).
-      implementation: None (best for the platform), "reference", "cudnn", "pallas_gpu" or
-        "pallas_tpu".
+      implementation: None (the fastest backend for the platform and the case,
+        ``kernels/dispatch.py``), "reference", "cudnn", "pallas_gpu" or "pallas_tpu".
       interpret: run a Pallas backend in Pallas interpret mode (on CPU). For "pallas_tpu" this
         may also be a ``pltpu.InterpretParams``.
 
     Returns:
       [B, T, Hq, D] in q's dtype, or ``(out, LogitStats)`` with ``return_logit_stats=True``.
     """
-    windows, scale = validate_inputs(q, k, v, window_sizes, segment_ids, sm_scale)
+    windows, scale = validate_inputs(q, k, v, window_sizes, segment_ids, scale)
     if implementation is None:
         if interpret:
             raise ValueError(
                 "interpret: True needs an explicit implementation, one of "
                 f"{PALLAS_IMPLEMENTATIONS}; got implementation=None")
-        implementation = default_implementation()
+        B, T, H, D = q.shape
+        implementation = choose_implementation(
+            window_sizes=windows, seq_len=T, head_dim=D, dtype=q.dtype,
+            has_segments=segment_ids is not None, return_logit_stats=return_logit_stats)
     elif interpret and implementation not in PALLAS_IMPLEMENTATIONS:
         raise ValueError(
             f"interpret: only the Pallas backends {PALLAS_IMPLEMENTATIONS} have an interpret "
             f"mode; got interpret={interpret!r} with implementation={implementation!r}")
     backend = get_backend(implementation)
     out, max_abs_logit = backend(
-        q, k, v, window_sizes=windows, segment_ids=segment_ids, sm_scale=scale,
+        q, k, v, window_sizes=windows, segment_ids=segment_ids, scale=scale,
         return_logit_stats=return_logit_stats, interpret=interpret)
     if not return_logit_stats:
         return out

@@ -1,15 +1,33 @@
-"""Block geometry of the LS band, shared by the Pallas kernels (and their structural tests).
+"""The LS band: which (query, key) pairs a head sees, and which blocks of a tiled grid that hits.
 
-Head h with window p lets query i see keys j with max(0, i - p + 1) <= j <= i; a global head
-has p = None (equivalently p >= T). With queries cut into blocks of ``block_q`` and keys into
-blocks of ``block_k``, these functions say which key blocks a query block must visit (forward,
-dQ) and which query blocks reach a key block (dK/dV). They take Python ints or traced int32
-scalars (for use inside kernels); ``window`` may be None (global) or an int.
+This file is the one home of the rule; the reference, the cuDNN composition, both Pallas
+backends and their plans use it, and nothing else restates it.
+
+* Element predicate: for a head with window p, query i sees key j iff ``0 <= i - j < p``
+  (p keys, the current one included); with segment ids, also iff ``seg[i] == seg[j]``.
+* A global head (window ``None``) sees every key j <= i. Where a kernel wants an int, its
+  *effective window* is the (padded) sequence length, and any p >= that length is global too.
+* Block ranges: with queries cut into blocks of ``block_q`` rows and keys into blocks of
+  ``block_k``, which key blocks a query block's band intersects (forward, dQ), which query
+  blocks reach a key block (dK/dV), and the sub-ranges whose tiles lie fully inside the band
+  (no element mask needed).
+
+Functions take Python ints or traced int32 scalars (for use inside kernels); ``window`` may be
+None (global) or an int.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+
+# The validated form of a window list (``kernels.api.normalize_window_sizes``): one entry per
+# query head, an int >= 1 for a local head, None for a global one.
+WindowSizes = tuple[int | None, ...]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _max(a, b):
@@ -20,8 +38,62 @@ def _min(a, b):
     return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+# ---------------------------------------------------------------------------------------------
+# Windows
+
+
+def effective_window(window: int | None, seq_len: int) -> int:
+    """The window as an int: a global head (None, or p >= seq_len) sees ``seq_len`` keys."""
+    return seq_len if window is None else min(int(window), seq_len)
+
+
+def effective_windows(window_sizes: WindowSizes, seq_len: int) -> tuple[int, ...]:
+    """``effective_window`` of every head (pass the padded length inside a padded kernel)."""
+    return tuple(effective_window(p, seq_len) for p in window_sizes)
+
+
+def is_global(window: int | None, seq_len: int) -> bool:
+    """True when the head sees every earlier key of a length-``seq_len`` sequence."""
+    return window is None or window >= seq_len
+
+
+# ---------------------------------------------------------------------------------------------
+# Element predicate
+
+
+def allowed(i, j, window, seg_i=None, seg_j=None):
+    """bool (broadcast of i, j): query position i sees key position j under ``window`` (an int
+    or int array; use ``effective_window`` for a global head) and, given segment ids of the
+    query and key positions, only within its own segment."""
+    d = i - j
+    ok = (d >= 0) & (d < window)
+    if seg_i is not None:
+        ok = ok & (seg_i == seg_j)
+    return ok
+
+
+def tile_allowed_QxK(q_first, k_first, block_q: int, block_k: int, window, seg_Q1=None,
+                     seg_1K=None):
+    """bool [block_q, block_k]: ``allowed`` on the tile of queries q_first + r, keys k_first + c.
+
+    seg_Q1 / seg_1K: optional segment ids of the tile's queries / keys, broadcastable to
+    [block_q, block_k] (e.g. [block_q, 1] and [1, block_k]).
+    """
+    i_QxK = q_first + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+    j_QxK = k_first + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+    return allowed(i_QxK, j_QxK, window, seg_Q1, seg_1K)
+
+
+def tile_allowed_KxQ(q_first, k_first, block_q: int, block_k: int, window, seg_K1=None,
+                     seg_1Q=None):
+    """bool [block_k, block_q]: the transposed tile (keys on rows), for the dK/dV kernels."""
+    j_KxQ = k_first + jax.lax.broadcasted_iota(jnp.int32, (block_k, block_q), 0)
+    i_KxQ = q_first + jax.lax.broadcasted_iota(jnp.int32, (block_k, block_q), 1)
+    return allowed(i_KxQ, j_KxQ, window, seg_1Q, seg_K1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block ranges
 
 
 def kv_block_range(q_block, block_q: int, block_k: int, window, seq_len: int):
@@ -43,52 +115,12 @@ def q_block_range(kv_block, block_q: int, block_k: int, window, seq_len: int):
     return first, _min(k_last + window - 1, seq_len - 1) // block_q + 1
 
 
-def block_fully_inside(q_block, kv_block, block_q: int, block_k: int, window, seq_len: int):
-    """True when every (i, j) of the tile is allowed and in range, so no element mask is needed."""
-    q_first = q_block * block_q
-    q_last = q_first + block_q - 1
-    k_first = kv_block * block_k
-    k_last = k_first + block_k - 1
-    inside = (k_last <= q_first) & (q_last < seq_len) & (k_last < seq_len)
-    if window is not None:
-        inside = inside & (q_last - k_first < window)
-    return inside
-
-
-def max_kv_blocks(block_q: int, block_k: int, window, seq_len: int) -> int:
-    """Most key blocks any query block of this head visits (the length of a shrunken grid)."""
-    n_q = cdiv(seq_len, block_q)
-    return max(kv_block_range(i, block_q, block_k, window, seq_len)[1]
-               - kv_block_range(i, block_q, block_k, window, seq_len)[0] for i in range(n_q))
-
-
-def max_q_blocks(block_q: int, block_k: int, window, seq_len: int) -> int:
-    """Most query blocks that reach any key block of this head."""
-    n_k = cdiv(seq_len, block_k)
-    return max(q_block_range(j, block_q, block_k, window, seq_len)[1]
-               - q_block_range(j, block_q, block_k, window, seq_len)[0] for j in range(n_k))
-
-
-def band_flops(batch: int, seq_len: int, window_sizes, head_dim: int, backward: bool = False) -> float:
-    """FLOPs of the work inside the band only (allowed (i, j) pairs), for effective TF/s.
-
-    Forward: 2 matmuls of 2*D flops per allowed pair. Backward adds 5 matmuls-worth (dS, dP
-    via dO V^T, dQ, dK, dV recomputing S): the usual 2.5x of forward, so fwd+bwd = 3.5x.
-    """
-    pairs = 0
-    for p in window_sizes:
-        w = seq_len if p is None else min(p, seq_len)
-        # rows i < w see i + 1 keys, the rest see w keys
-        pairs += w * (w + 1) // 2 + (seq_len - w) * w
-    fwd = 4.0 * head_dim * pairs * batch
-    return fwd * 3.5 if backward else fwd
-
-
 def kv_full_block_range(q_block, block_q: int, block_k: int, window, seq_len: int):
     """[first, end) key blocks where every (i, j) of the tile is allowed (no element mask).
 
-    The range may be empty (end <= first). Ignores the tail of the sequence: for a padded
-    sequence pass the padded length, since padding keys are never visible to real queries.
+    The range may be empty (end <= first) and may run past the last block (clamp it to
+    ``kv_block_range``). Ignores the tail of the sequence: for a padded sequence pass the
+    padded length, since padding keys are never visible to real queries.
     """
     del seq_len  # a global head has no window edge; kept for a signature like the others
     q_first = q_block * block_q
@@ -102,10 +134,29 @@ def kv_full_block_range(q_block, block_q: int, block_k: int, window, seq_len: in
 def q_full_block_range(kv_block, block_q: int, block_k: int, window, seq_len: int):
     """[first, end) query blocks where every (i, j) of the tile is allowed (no element mask).
 
-    The mirror of ``kv_full_block_range`` for the dK/dV loop over query blocks; may be empty.
+    The mirror of ``kv_full_block_range`` for the dK/dV loop over query blocks; may be empty
+    and may run past the last block (clamp it to ``q_block_range``).
     """
     k_first = kv_block * block_k
     # q_first >= k_last = k_first + block_k - 1, and q_last - k_first < window
     first = cdiv(k_first + block_k - 1, block_q)
     end = cdiv(seq_len, block_q) if window is None else (k_first + window) // block_q
     return first, end
+
+
+# ---------------------------------------------------------------------------------------------
+# Work inside the band
+
+
+def band_flops(batch: int, seq_len: int, window_sizes, head_dim: int, backward: bool = False) -> float:
+    """FLOPs of the work inside the band only (allowed (i, j) pairs), for effective TF/s.
+
+    Forward: 2 matmuls of 2*D flops per allowed pair. Backward adds 5 matmuls-worth (dS, dP
+    via dO V^T, dQ, dK, dV recomputing S): the usual 2.5x of forward, so fwd+bwd = 3.5x.
+    """
+    pairs = 0
+    for w in effective_windows(window_sizes, seq_len):
+        # rows i < w see i + 1 keys, the rest see w keys
+        pairs += w * (w + 1) // 2 + (seq_len - w) * w
+    fwd = 4.0 * head_dim * pairs * batch
+    return fwd * 3.5 if backward else fwd

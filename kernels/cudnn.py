@@ -2,9 +2,10 @@
 
 cuDNN takes one window for all heads of a call, so LS-attention becomes one call per distinct
 window (the global heads with ``is_causal=True``; each local group with
-``local_window_size=(p - 1, 0)``, i.e. keys i - p < j <= i), and the outputs are put back in
-head order. GQA key/value heads are expanded to the query heads first. cuDNN cannot emit logit
-statistics, so ``return_logit_stats`` costs one extra blockwise pass over QK^T.
+``local_window_size=(p - 1, 0)``, the same band as ``kernels.band``: keys i - p < j <= i), and
+the outputs are put back in head order. GQA key/value heads are expanded to the query heads
+first. cuDNN cannot emit logit statistics, so ``return_logit_stats`` costs one extra blockwise
+pass over QK^T.
 """
 
 from __future__ import annotations
@@ -13,18 +14,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ls_jax.kernels.band import is_global
 from ls_jax.kernels.reference import blockwise_max_abs_logit, repeat_kv
 
 
-def head_groups(window_sizes) -> list[tuple[int | None, list[int]]]:
-    """[(window, [heads])] in order of first appearance."""
+def head_groups(window_sizes, seq_len: int) -> list[tuple[int | None, list[int]]]:
+    """[(window, [heads])] in order of first appearance; every global head under None."""
     groups: dict[int | None, list[int]] = {}
     for h, p in enumerate(window_sizes):
-        groups.setdefault(p, []).append(h)
+        groups.setdefault(None if is_global(p, seq_len) else p, []).append(h)
     return list(groups.items())
 
 
-def cudnn_backend(q, k, v, *, window_sizes, segment_ids, sm_scale, return_logit_stats,
+def cudnn_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_stats,
                   interpret):
     del interpret
     if segment_ids is not None:
@@ -33,20 +35,20 @@ def cudnn_backend(q, k, v, *, window_sizes, segment_ids, sm_scale, return_logit_
             "implementation='pallas_gpu' or 'reference'")
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"q: implementation='cudnn' needs bfloat16 or float16, got {q.dtype}")
-    Hq = q.shape[2]
-    k_full, v_full = repeat_kv(k, Hq), repeat_kv(v, Hq)
+    B, T, H, D = q.shape
+    k_BxTxHxD, v_BxTxHxD = repeat_kv(k, H), repeat_kv(v, H)
     outs, order = [], []
-    for window, heads in head_groups(window_sizes):
+    for window, heads in head_groups(window_sizes, T):
         idx = np.asarray(heads)
         local = None if window is None else (window - 1, 0)
         outs.append(jax.nn.dot_product_attention(
-            q[:, :, idx], k_full[:, :, idx], v_full[:, :, idx], scale=sm_scale, is_causal=True,
-            local_window_size=local, implementation="cudnn"))
+            q[:, :, idx], k_BxTxHxD[:, :, idx], v_BxTxHxD[:, :, idx], scale=scale,
+            is_causal=True, local_window_size=local, implementation="cudnn"))
         order.extend(heads)
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
     if order != sorted(order):
         out = out[:, :, np.argsort(order)]
     stats = None
     if return_logit_stats:
-        stats = blockwise_max_abs_logit(q, k, window_sizes, None, sm_scale)
+        stats = blockwise_max_abs_logit(q, k, window_sizes, None, scale)
     return out, stats

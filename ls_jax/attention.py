@@ -81,16 +81,16 @@ class LSAttention(nnx.Module):
         """Returns y [B, T, d_model], or (y, max_abs_logit [n_head]) with return_logit_stats."""
         B, T, _ = x_BxTxM.shape
         q_BxTxHxD = self.q_proj(x_BxTxM).reshape(B, T, self.n_head, self.head_dim)
-        k_BxTxKxD = self.k_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
-        v_BxTxKxD = self.v_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
-        return attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, self.o_proj, self.window_sizes,
+        k_BxTxGxD = self.k_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
+        v_BxTxGxD = self.v_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
+        return attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, self.o_proj, self.window_sizes,
                       q_norm=self.q_norm, k_norm=self.k_norm, rope_theta=self.rope_theta,
                       dtype=self.dtype, implementation=self.implementation,
                       positions=positions, segment_ids=segment_ids,
                       return_logit_stats=return_logit_stats)
 
 
-def attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, o_proj, window_sizes, *, q_norm, k_norm, rope_theta,
+def attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, o_proj, window_sizes, *, q_norm, k_norm, rope_theta,
            dtype, implementation, positions=None, segment_ids=None, return_logit_stats=False):
     """The layer after the q/k/v projections: QK-norm, RoPE, ``ls_attention``, ``o_proj``.
 
@@ -100,14 +100,14 @@ def attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, o_proj, window_sizes, *, q_norm, k_n
     B, T, H, D = q_BxTxHxD.shape
     if q_norm is not None:
         q_BxTxHxD = q_norm(q_BxTxHxD).astype(dtype)
-        k_BxTxKxD = k_norm(k_BxTxKxD).astype(dtype)
+        k_BxTxGxD = k_norm(k_BxTxGxD).astype(dtype)
     if rope_theta is not None:
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T), (B, T))
         q_BxTxHxD = apply_rope(q_BxTxHxD, positions, rope_theta)
-        k_BxTxKxD = apply_rope(k_BxTxKxD, positions, rope_theta)
+        k_BxTxGxD = apply_rope(k_BxTxGxD, positions, rope_theta)
     result = ls_attention(
-        q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, window_sizes, segment_ids=segment_ids,
+        q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, window_sizes, segment_ids=segment_ids,
         return_logit_stats=return_logit_stats, implementation=implementation)
     out_BxTxHxD = result[0] if return_logit_stats else result
     y_BxTxM = o_proj(out_BxTxHxD.reshape(B, T, H * D))

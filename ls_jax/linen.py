@@ -82,9 +82,9 @@ class LSAttention(nn.Module):
                 f"x: expected shape [B, T, d_model={self.d_model}], got {tuple(x_BxTxM.shape)}")
         B, T, _ = x_BxTxM.shape
         q_BxTxHxD = self.q_proj(x_BxTxM).reshape(B, T, self.n_head, self.head_dim)
-        k_BxTxKxD = self.k_proj(x_BxTxM).reshape(B, T, self._kv_heads, self.head_dim)
-        v_BxTxKxD = self.v_proj(x_BxTxM).reshape(B, T, self._kv_heads, self.head_dim)
-        return attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, self.o_proj, self._windows,
+        k_BxTxGxD = self.k_proj(x_BxTxM).reshape(B, T, self._kv_heads, self.head_dim)
+        v_BxTxGxD = self.v_proj(x_BxTxM).reshape(B, T, self._kv_heads, self.head_dim)
+        return attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, self.o_proj, self._windows,
                       q_norm=self.q_norm if self.qk_norm else None,
                       k_norm=self.k_norm if self.qk_norm else None,
                       rope_theta=self.rope_theta, dtype=self.dtype,

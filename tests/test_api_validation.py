@@ -24,7 +24,7 @@ W = (None, 3, 3, 3)
     ((q, kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), W), {}, r"q, k, v: expected one dtype"),
     ((q, kv, kv, W), {"segment_ids": jnp.zeros((2, 7), jnp.int32)}, r"segment_ids: expected shape \[B=2, T=8\]"),
     ((q, kv, kv, W), {"segment_ids": jnp.zeros((2, 8))}, r"segment_ids: expected an integer dtype"),
-    ((q, kv, kv, W), {"sm_scale": -1.0}, r"sm_scale: expected a finite float > 0 or None, got -1.0"),
+    ((q, kv, kv, W), {"scale": -1.0}, r"scale: expected a finite float > 0 or None, got -1.0"),
     ((q, kv, kv, W), {"implementation": "flash"}, r"implementation: expected None or one of .*got 'flash'"),
     ((q, kv, kv, W), {"interpret": True}, r"interpret: True needs an explicit implementation"),
     ((q, kv, kv, W), {"implementation": "reference", "interpret": True}, r"interpret: only the Pallas backends"),

@@ -15,11 +15,10 @@ import pytest
 
 from ls_jax.kernels import ls_attention
 from ls_jax.kernels.band import (kv_block_range, kv_full_block_range, q_block_range,
-                          q_full_block_range)
-from ls_jax.kernels.pallas_gpu import (KernelConfig, key_block_schedule, key_plan,
-                                pallas_gpu_attention, pallas_gpu_attention_parts,
-                                query_block_schedule, query_plan)
-from ls_jax.kernels.pallas_gpu_tiles import split_kv_loop, split_q_loop
+                                 q_full_block_range)
+from ls_jax.kernels.pallas_gpu import KernelConfig, pallas_gpu_attention, pallas_gpu_attention_parts
+from ls_jax.kernels.pallas_gpu.plan import TilePath, key_plan, query_plan
+from ls_jax.kernels.pallas_gpu.tiles import split_kv_loop, split_q_loop
 from ls_jax.kernels.reference import reference_attention_parts
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
@@ -134,8 +133,8 @@ class TestInterpretFloat32:
         windows = (None, 9)
         q, k, v, _ = random_inputs(np.random.default_rng(3), B, T, Hq, Hkv, D)
         out, stats = ls_attention(q, k, v, windows, implementation="pallas_gpu",
-                                  interpret=True, return_logit_stats=True, sm_scale=0.3)
-        want_out, _, want_max = reference_attention_parts(q, k, v, windows, sm_scale=0.3)
+                                  interpret=True, return_logit_stats=True, scale=0.3)
+        want_out, _, want_max = reference_attention_parts(q, k, v, windows, scale=0.3)
         assert rel_err(out, want_out) < 1e-5
         np.testing.assert_allclose(stats.max_abs_logit, want_max, rtol=1e-5)
 
@@ -158,7 +157,8 @@ class TestPlans:
 
     @staticmethod
     def counts(plan, kernel, num_heads, seq_len):
-        schedule, classes, paths, num_slots = plan
+        schedule, classes, paths, num_slots = (plan.schedule, plan.head_class, plan.paths,
+                                               plan.num_slots)
         covered = np.zeros((num_heads, seq_len), int)
         for item in schedule.tolist():
             head, block = divmod(item, num_slots)
@@ -180,12 +180,12 @@ class TestPlans:
             narrow, wide = config.paths(kernel)
             plan = query_plan(windows, Tp, narrow, wide, threshold)
             assert np.all(self.counts(plan, kernel, len(windows), Tp) == 1), kernel
-            assert plan[1].tolist() == want_classes
+            assert plan.head_class.tolist() == want_classes
         narrow, wide = config.paths("dkdv")
         plan = key_plan(windows, 3, Tp, narrow, wide, threshold)
         assert np.all(self.counts(plan, "dkdv", 3, Tp) == 1)
         # kv head g serves query heads 2g, 2g+1: wide only if both are
-        assert plan[1].tolist() == [max(want_classes[2 * g:2 * g + 2]) for g in range(3)]
+        assert plan.head_class.tolist() == [max(want_classes[2 * g:2 * g + 2]) for g in range(3)]
 
 
 class TestBlockGeometry:
@@ -233,7 +233,8 @@ class TestBlockGeometry:
 
     def test_schedules_cover_every_program_once_longest_first(self):
         windows, T, bq, bk = (256, 3, 64, 256, 1, 64), 256, 32, 16
-        sched = query_block_schedule(windows, T, bq, bk)
+        path = TilePath(bq, bk, "cond")  # one tile path for every head
+        sched = query_plan(windows, T, path, path, T).schedule
         n_q = T // bq
         assert sorted(sched.tolist()) == list(range(len(windows) * n_q))
         costs = [np.subtract(*kv_block_range(int(x) % n_q, bq, bk, windows[int(x) // n_q], T))
@@ -241,7 +242,7 @@ class TestBlockGeometry:
         assert costs == sorted(costs)  # (first - end) ascending = visits descending
         assert sched[0] // n_q in (0, 3) and sched[0] % n_q == n_q - 1  # a global head's last block
 
-        sched = key_block_schedule(windows, 3, T, bq, bk)
+        sched = key_plan(windows, 3, T, path, path, T).schedule
         n_k = T // bk
         assert sorted(sched.tolist()) == list(range(3 * n_k))
         costs = [sum(np.subtract(*q_block_range(int(x) % n_k, bq, bk, windows[h], T))

@@ -2,8 +2,9 @@
 
 Checked against the pure-JAX reference twin (outputs, logsumexp, max |logit|, gradients), against
 JAX's splash attention on the same inputs, for data races on two simulated TensorCores, and for
-its structural cost (grid steps, DMAs) vs splash, with the counting functions of
-bench/tpu_grid_steps.py checked against interpreted runs. Shapes are tiny: interpret mode runs
+its structural cost (grid steps, DMAs) vs splash, with the counting functions
+(``kernels.pallas_tpu.plan.step_counts``, ``kernels.pallas_tpu.splash_cost``) checked against
+interpreted runs. Shapes are tiny: interpret mode runs
 every grid step through Python callbacks.
 """
 
@@ -19,13 +20,12 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from bench.tpu_grid_steps import ours_counts, splash_counts, splash_mask
 from ls_jax.kernels import DEFAULT_IMPLEMENTATION, ls_attention
 from ls_jax.kernels.api import get_backend
 from ls_jax.kernels.pallas_tpu import pallas_tpu_attention_parts, pallas_tpu_backend
-from ls_jax.kernels.pallas_tpu_bwd import dkdv_call, dq_call
-from ls_jax.kernels.pallas_tpu_fwd import forward_call
-from ls_jax.kernels.pallas_tpu_plan import (
+from ls_jax.kernels.pallas_tpu.backward import dkdv_call, dq_call
+from ls_jax.kernels.pallas_tpu.forward import forward_call
+from ls_jax.kernels.pallas_tpu.plan import (
     ACTIVE,
     FIRST,
     LAST,
@@ -35,7 +35,9 @@ from ls_jax.kernels.pallas_tpu_plan import (
     column_worklist,
     make_plan,
     row_worklist,
+    step_counts,
 )
+from ls_jax.kernels.pallas_tpu.splash_cost import splash_mask, splash_step_counts
 from ls_jax.kernels.reference import allowed_mask, reference_attention_parts
 
 # The interpreter's race detector state (a private module, as in JAX's own interpret tests).
@@ -141,7 +143,7 @@ def test_local_head_key_steps_do_not_grow_with_seq_len():
 
 
 def test_plan_rejects_bad_tunables():
-    kwargs = dict(seq_len=256, head_dim=64, windows=(None, 4), num_kv_heads=1, sm_scale=0.1,
+    kwargs = dict(seq_len=256, head_dim=64, windows=(None, 4), num_kv_heads=1, scale=0.1,
                   has_segments=False, logit_stats=False)
     with pytest.raises(ValueError, match=r"block_q: expected a positive multiple of 128.*got 96"):
         make_plan(block_q=96, **kwargs)
@@ -259,7 +261,7 @@ def test_kernels_have_no_races_on_two_cores():
     """Chunks split each work list over the two simulated cores ("parallel" grid axis)."""
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
     plan = make_plan(seq_len=256, head_dim=128, windows=(None, 130, 7, None), num_kv_heads=2,
-                     sm_scale=0.1, has_segments=False, logit_stats=True, block_q=128,
+                     scale=0.1, has_segments=False, logit_stats=True, block_q=128,
                      block_k=128, num_chunks=2, interpret=params)
     assert plan.forward_worklist().num_chunks == 2 and plan.dkdv_worklist().num_chunks == 2
     q, k, v, do = _kernel_operands(plan, 1, 0)
@@ -297,7 +299,7 @@ def test_race_detector_catches_a_row_split_across_cores():
     """The negative control of the race test: the detector does report a real race here."""
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
     good = make_plan(seq_len=256, head_dim=128, windows=(None, 130), num_kv_heads=1,
-                     sm_scale=0.1, has_segments=False, logit_stats=False, block_q=128,
+                     scale=0.1, has_segments=False, logit_stats=False, block_q=128,
                      block_k=128, num_chunks=2, interpret=params)
     broken = _RowSplitAcrossChunks(**{f.name: getattr(good, f.name)
                                       for f in dataclasses.fields(good)})
@@ -314,7 +316,7 @@ def test_matches_splash_attention(segments):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     T, Hq, Hkv, D, windows = 256, 4, 2, 128, (None, 128, 40, None)
     q, k, v = rand_qkv(11 + segments, 1, T, Hq, Hkv, D)
-    q = q / np.sqrt(D)  # splash has no logit scale: pre-scale q, run ours with sm_scale=1
+    q = q / np.sqrt(D)  # splash has no logit scale: pre-scale q, run ours with scale=1
     seg = rand_segments(5, 1, T) if segments else None
     splash_seg = sk.SegmentIds(q=seg[0], kv=seg[0]) if segments else None
     params = pltpu.InterpretParams()
@@ -325,14 +327,14 @@ def test_matches_splash_attention(segments):
     to_hTd = lambda x: jnp.transpose(x[0], (1, 0, 2))  # noqa: E731  [1, T, H, D] -> [H, T, D]
 
     s_out, (s_lse,) = splash_res(to_hTd(q), to_hTd(k), to_hTd(v), segment_ids=splash_seg)
-    out, lse, _ = pallas_tpu_attention_parts(q, k, v, windows, seg, sm_scale=1.0,
+    out, lse, _ = pallas_tpu_attention_parts(q, k, v, windows, seg, scale=1.0,
                                              block_q=128, block_k=128, interpret=params)
     np.testing.assert_allclose(to_hTd(out), s_out, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(lse[0], s_lse, rtol=2e-5, atol=2e-5)
 
     w_D = jnp.cos(jnp.arange(D, dtype=jnp.float32))
     ours = lambda q, k, v: jnp.sum(pallas_tpu_attention_parts(  # noqa: E731
-        q, k, v, windows, seg, sm_scale=1.0, block_q=128, block_k=128,
+        q, k, v, windows, seg, scale=1.0, block_q=128, block_k=128,
         interpret=params)[0] * w_D)
     theirs = lambda q, k, v: jnp.sum(  # noqa: E731
         splash(to_hTd(q), to_hTd(k), to_hTd(v), segment_ids=splash_seg) * w_D)
@@ -376,7 +378,7 @@ def test_step_counts_match_interpreted_runs():
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     T, Hq, Hkv, D, windows = 512, 4, 2, 128, (None, 128, 128, 5)
     q, k, v = rand_qkv(2, 1, T, Hq, Hkv, D)
-    ours = ours_counts(windows, Hkv, T, 128, 128)
+    ours = step_counts(windows, Hkv, T, 128, 128)
     with count_interpreter_runs() as (params, points, fetched):
         jax.block_until_ready(pallas_tpu_attention_parts(
             q, k, v, windows, block_q=128, block_k=128, logit_stats=False, interpret=params))
@@ -384,7 +386,7 @@ def test_step_counts_match_interpreted_runs():
     assert fetched["refs[1]"] == ours["fwd_k_fetches"]  # refs: q, k, v after the tables
     assert ours["fwd_computed_tiles"] == len(band_tiles(windows, T, 128, 128))
 
-    theirs = splash_counts(windows, Hkv, T, 128, 128)
+    theirs = splash_step_counts(windows, Hkv, T, 128, 128)
     with count_interpreter_runs() as (params, points, fetched):
         splash = sk.make_splash_mha(splash_mask(windows, T), head_shards=1, q_seq_shards=1,
                                     interpret=params)
@@ -397,29 +399,10 @@ def test_step_counts_match_interpreted_runs():
 def test_target_case_runs_under_a_quarter_of_splash_steps():
     """1 global + 15 local heads, T=8192, p=128, splash's default 128 blocks (issue 4)."""
     windows, T = (None,) + (128,) * 15, 8192
-    ours = ours_counts(windows, 16, T, 128, 128)
-    theirs = splash_counts(windows, 16, T, 128, 128)
+    ours = step_counts(windows, 16, T, 128, 128)
+    theirs = splash_step_counts(windows, 16, T, 128, 128)
     assert theirs["fwd_grid_steps"] == 16 * 64 * 64  # mixed heads: no shrinking in splash
     assert ours["fwd_grid_steps"] == 64 * 65 // 2 + 15 * (1 + 63 * 2)
     assert ours["fwd_grid_steps"] * 4 <= theirs["fwd_grid_steps"]
     assert ours["bwd_grid_steps"] * 4 <= theirs["bwd_grid_steps"]
     assert ours["fwd_computed_tiles"] == theirs["fwd_computed_tiles"]
-
-
-# ---------------------------------------------------------------------------------------------
-# Mosaic lowering (Pallas -> Mosaic MLIR for TPU; Mosaic's own layout passes need libtpu)
-
-def test_forward_and_backward_lower_to_mosaic_for_tpu():
-    B, T, Hq, Hkv, D, windows = 2, 512, 4, 2, 64, (None, 5, 130, 1)
-    q = jnp.zeros((B, T, Hq, D), jnp.bfloat16)
-    k = jnp.zeros((B, T, Hkv, D), jnp.bfloat16)
-    seg = jnp.zeros((B, T), jnp.int32)
-
-    def loss(q, k, v):
-        out, lse, max_abs = pallas_tpu_attention_parts(q, k, v, windows, seg, num_chunks=2)
-        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse) + jnp.sum(max_abs)
-
-    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
-        lowering_platforms=("tpu",))
-    text = lowered.as_text()
-    assert text.count("tpu_custom_call") == 3  # forward, dQ, dK/dV

@@ -89,12 +89,22 @@ def test_all_global_equals_plain_causal():
     np.testing.assert_allclose(ls_attention(q, k, v, (33, 40, 1000, None)), theirs, rtol=1e-5, atol=1e-6)
 
 
-def test_local_equals_jax_sliding_window():
-    q, k, v = rand_qkv(2, 1, 40, 2, 2, 8)
-    ours = ls_attention(q, k, v, (7, 7))
-    theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(6, 0),
-                                          implementation="xla")
-    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+@pytest.mark.parametrize("windows", [(7, 7), (1, 2), (39, 40), (None, 3, 100, 16)])
+def test_window_p_is_jax_local_window_size_p_minus_1(windows):
+    """Our window p (p keys, the current one included) is jax.nn.dot_product_attention's
+    local_window_size=(p - 1, 0) with is_causal=True, head by head (an independent reference,
+    also for GQA); None is plain is_causal=True."""
+    H, G, T = len(windows), 1 if len(windows) > 2 else 2, 40
+    q, k, v = rand_qkv(2 + len(windows), 2, T, H, G, 8)
+    ours = ls_attention(q, k, v, windows, scale=0.4)
+    for h, p in enumerate(windows):
+        kv_head = h // (H // G)
+        theirs = jax.nn.dot_product_attention(
+            q[:, :, h:h + 1], k[:, :, kv_head:kv_head + 1], v[:, :, kv_head:kv_head + 1],
+            scale=0.4, is_causal=True, local_window_size=None if p is None else (p - 1, 0),
+            implementation="xla")
+        np.testing.assert_allclose(ours[:, :, h:h + 1], theirs, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"head {h}, window {p}")
 
 
 def test_max_abs_logit_bruteforce_numpy():
@@ -103,7 +113,7 @@ def test_max_abs_logit_bruteforce_numpy():
     k = rng.normal(size=(2, 10, 3, 4)).astype(np.float32)
     windows = (None, 2, 4)
     _, stats = ls_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), windows,
-                            sm_scale=0.7, return_logit_stats=True)
+                            scale=0.7, return_logit_stats=True)
     logits = 0.7 * np.einsum("bihd,bjhd->bhij", q, k)
     for h, p in enumerate(windows):
         allowed = [(i, j) for i in range(10) for j in range(10) if loop_allowed(i, j, p)]

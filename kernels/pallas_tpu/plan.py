@@ -1,4 +1,9 @@
-"""The static plan of a Pallas TPU attention call: padded geometry, block sizes, work lists.
+"""The static plan of a Pallas TPU attention call: padded geometry, block sizes, work lists,
+and the grid plumbing both kernels' pallas_calls share (index maps, scalar tables).
+
+Same style as ``kernels/pallas_gpu/plan.py``: a frozen ``AttentionPlan`` holds everything
+static about one call and is built by ``make_plan``; per-kernel work lists are cached
+functions of it. Which tiles a list holds comes from ``kernels.band``.
 
 Work lists: one grid axis that enumerates exactly the band's tiles.
 
@@ -36,9 +41,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from ls_jax.kernels.band import block_fully_inside, cdiv, kv_block_range, q_block_range
+from ls_jax.kernels.band import (WindowSizes, cdiv, effective_windows, is_global,
+                                 kv_block_range,
+                                 kv_full_block_range, q_block_range, q_full_block_range)
 
 FIRST = 1
 LAST = 2
@@ -111,20 +122,14 @@ class WorkList:
         which: "q" (blocks of query-side operands: q, dO, lse, ...) or "k" (k, v).
         """
         if which == "q":
-            key_CxLx2 = np.stack([self.head, self.q_block], axis=-1)
+            key_CxEx2 = np.stack([self.head, self.q_block], axis=-1)
         elif which == "k":
-            key_CxLx2 = np.stack([self.head // q_heads_per_kv_head, self.k_block], axis=-1)
+            key_CxEx2 = np.stack([self.head // q_heads_per_kv_head, self.k_block], axis=-1)
         else:
             raise ValueError(f"which: expected 'q' or 'k', got {which!r}")
-        changed_CxL = np.ones(self.head.shape, bool)
-        changed_CxL[:, 1:] = np.any(key_CxLx2[:, 1:] != key_CxLx2[:, :-1], axis=-1)
-        return int(np.count_nonzero(changed_CxL))
-
-
-def _check_windows(windows):
-    for p in windows:
-        if p is not None and (not isinstance(p, int) or p < 1):
-            raise ValueError(f"windows: expected ints >= 1 or None, got {windows!r}")
+        changed_CxE = np.ones(self.head.shape, bool)
+        changed_CxE[:, 1:] = np.any(key_CxEx2[:, 1:] != key_CxEx2[:, :-1], axis=-1)
+        return int(np.count_nonzero(changed_CxE))
 
 
 def _runs_to_worklist(runs: list[list[tuple[int, int, int, int]]], num_chunks: int) -> WorkList:
@@ -153,41 +158,39 @@ def _runs_to_worklist(runs: list[list[tuple[int, int, int, int]]], num_chunks: i
                 steps.append((h, i, j, flags))
         chunks.append(steps)
     length = max(len(s) for s in chunks)
-    table_Cx4xL = np.zeros((num_chunks, 4, length), np.int32)
+    table_Cx4xE = np.zeros((num_chunks, 4, length), np.int32)
     for c, steps in enumerate(chunks):
         h, i, j, _ = steps[-1]
         steps = steps + [(h, i, j, 0)] * (length - len(steps))
-        table_Cx4xL[c] = np.array(steps, np.int32).T
-    arrays = [np.ascontiguousarray(table_Cx4xL[:, t]) for t in range(4)]
+        table_Cx4xE[c] = np.array(steps, np.int32).T
+    arrays = [np.ascontiguousarray(table_Cx4xE[:, t]) for t in range(4)]
     for a in arrays:
         a.flags.writeable = False
     return WorkList(*arrays)
 
 
 @functools.lru_cache(maxsize=256)
-def row_worklist(windows: tuple, seq_len: int, block_q: int, block_k: int,
+def row_worklist(windows: WindowSizes, seq_len: int, block_q: int, block_k: int,
                  num_chunks: int = 1) -> WorkList:
     """Forward / dQ steps: for each query head and query block, the key blocks of its band.
 
-    windows: one entry per query head (int >= 1 local, None global); seq_len: the (padded)
+    windows: ``kernels.band.WindowSizes`` (int >= 1 local, None global); seq_len: the (padded)
     length the blocks tile.
     """
-    _check_windows(windows)
     runs = []
     for h, w in enumerate(windows):
         for i in range(cdiv(seq_len, block_q)):
             first, end = kv_block_range(i, block_q, block_k, w, seq_len)
-            runs.append([(h, i, j, not bool(block_fully_inside(i, j, block_q, block_k, w, seq_len)))
-                         for j in range(first, end)])
+            full_first, full_end = kv_full_block_range(i, block_q, block_k, w, seq_len)
+            runs.append([(h, i, j, not full_first <= j < full_end) for j in range(first, end)])
     return _runs_to_worklist(runs, num_chunks)
 
 
 @functools.lru_cache(maxsize=256)
-def column_worklist(windows: tuple, num_kv_heads: int, seq_len: int, block_q: int, block_k: int,
+def column_worklist(windows: WindowSizes, num_kv_heads: int, seq_len: int, block_q: int, block_k: int,
                     num_chunks: int = 1) -> WorkList:
     """dK/dV steps: for each kv head and key block, every (query head of that kv head, query
     block) tile whose band reaches the key block."""
-    _check_windows(windows)
     group = len(windows) // num_kv_heads
     runs = []
     for kh in range(num_kv_heads):
@@ -195,19 +198,19 @@ def column_worklist(windows: tuple, num_kv_heads: int, seq_len: int, block_q: in
             run = []
             for h in range(kh * group, (kh + 1) * group):
                 first, end = q_block_range(j, block_q, block_k, windows[h], seq_len)
-                run += [(h, i, j,
-                         not bool(block_fully_inside(i, j, block_q, block_k, windows[h], seq_len)))
-                        for i in range(first, end)]
+                full_first, full_end = q_full_block_range(j, block_q, block_k, windows[h],
+                                                          seq_len)
+                run += [(h, i, j, not full_first <= i < full_end) for i in range(first, end)]
             runs.append(run)
     return _runs_to_worklist(runs, num_chunks)
 
 
-def default_block_size(windows: tuple, seq_len: int) -> int:
+def default_block_size(windows: WindowSizes, seq_len: int) -> int:
     """One block size for queries and keys: 128 * ceil(p / 128) for the smallest local window
     p < seq_len, clamped to [128, 512] (a local head wastes about block / (block + p) of each
     tile), 512 when every head is global; never more than the sequence rounded up to 128.
     Untuned: no TPU was available to time it."""
-    local = [p for p in windows if p is not None and p < seq_len]
+    local = [p for p in windows if not is_global(p, seq_len)]
     block = 512 if not local else min(max(128 * cdiv(min(local), 128), 128), 512)
     return min(block, 128 * cdiv(seq_len, 128))
 
@@ -232,11 +235,11 @@ class AttentionPlan:
 
     seq_len: int
     head_dim: int
-    windows: tuple  # per query head: int >= 1 (local) or None (global)
+    windows: WindowSizes  # per query head: int >= 1 (local) or None (global)
     num_kv_heads: int
     block_q: int
     block_k: int
-    sm_scale: float
+    scale: float
     has_segments: bool
     logit_stats: bool
     num_chunks: int = 1
@@ -264,9 +267,8 @@ class AttentionPlan:
         return self.seq_len_padded // self.block_q
 
     def window_table(self) -> np.ndarray:
-        """int32 [Hq]: each head's window, global heads as the padded length (sees all)."""
-        return np.array([self.seq_len_padded if p is None else min(p, self.seq_len_padded)
-                         for p in self.windows], np.int32)
+        """int32 [H]: each head's effective window over the padded length."""
+        return np.array(effective_windows(self.windows, self.seq_len_padded), np.int32)
 
     def forward_worklist(self) -> WorkList:
         """Also the dQ kernel's: same tiles, same row-major order."""
@@ -278,8 +280,8 @@ class AttentionPlan:
                                self.block_q, self.block_k, self.num_chunks)
 
 
-def make_plan(*, seq_len: int, head_dim: int, windows: tuple, num_kv_heads: int,
-              sm_scale: float, has_segments: bool, logit_stats: bool, block_q=None,
+def make_plan(*, seq_len: int, head_dim: int, windows: WindowSizes, num_kv_heads: int,
+              scale: float, has_segments: bool, logit_stats: bool, block_q=None,
               block_k=None, num_chunks: int = 1, interpret=None) -> AttentionPlan:
     """Validates the tunables, fills in default blocks and checks the tables fit in SMEM.
 
@@ -295,7 +297,7 @@ def make_plan(*, seq_len: int, head_dim: int, windows: tuple, num_kv_heads: int,
     while True:
         plan = AttentionPlan(seq_len=seq_len, head_dim=head_dim, windows=tuple(windows),
                              num_kv_heads=num_kv_heads, block_q=block_q, block_k=block_k,
-                             sm_scale=float(sm_scale), has_segments=has_segments,
+                             scale=float(scale), has_segments=has_segments,
                              logit_stats=logit_stats, num_chunks=num_chunks,
                              interpret=interpret)
         too_big = [(name, wl) for name, wl in (("forward/dQ", plan.forward_worklist()),
@@ -311,3 +313,106 @@ def make_plan(*, seq_len: int, head_dim: int, windows: tuple, num_kv_heads: int,
                 f"{SMEM_TABLE_BUDGET_BYTES} allowed; use larger blocks (got "
                 f"block_q={block_q}, block_k={block_k}, T={seq_len})")
         block_q = block_k = 2 * block_q
+
+
+def step_counts(windows: WindowSizes, num_kv_heads: int, seq_len: int, block_q: int,
+                block_k: int, num_chunks: int = 1) -> dict[str, int]:
+    """Structural cost of the three kernels per batch element, from the work lists (no kernel
+    runs): grid steps, computed tiles, and DMAs of k (a block is fetched only when its index
+    changes from one step to the next). ``seq_len`` is padded to a multiple of both blocks."""
+    lcm = int(np.lcm(block_q, block_k))
+    seq_len = cdiv(seq_len, lcm) * lcm
+    windows = tuple(windows)
+    rows = row_worklist(windows, seq_len, block_q, block_k, num_chunks)
+    cols = column_worklist(windows, num_kv_heads, seq_len, block_q, block_k, num_chunks)
+    return {
+        "fwd_grid_steps": rows.grid_steps,
+        "fwd_computed_tiles": rows.active_steps,
+        "fwd_k_fetches": rows.block_fetches("k", len(windows) // num_kv_heads),
+        "dq_grid_steps": rows.grid_steps,
+        "dkv_grid_steps": cols.grid_steps,
+        "bwd_grid_steps": rows.grid_steps + cols.grid_steps,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Grid plumbing shared by the forward and backward pallas_calls.
+#
+# Grid (batch * chunk, step): the leading "parallel" axis enumerates (batch b, chunk c) as
+# b * num_chunks + c, and step s of chunk c computes the tile listed at c * steps_per_chunk + s
+# of the scalar-prefetch tables. The BlockSpec index maps read the same tables, so the
+# pipeline DMAs exactly the blocks of the listed tiles.
+
+NUM_TABLES = 3  # packed steps (head | q_block, flags | k_block), window per query head
+
+
+def batch_and_chunk(g, num_chunks: int):
+    """(batch, chunk) of the leading grid index g = batch * num_chunks + chunk."""
+    if num_chunks == 1:
+        return g, 0
+    return jax.lax.div(g, num_chunks), jax.lax.rem(g, num_chunks)
+
+
+def index_maps(plan: AttentionPlan, worklist: WorkList) -> dict:
+    """BlockSpec index maps over grid (batch * chunk, step) reading the prefetched tables."""
+    group = plan.q_heads_per_kv_head
+    num_chunks, steps_per_chunk = worklist.num_chunks, worklist.steps_per_chunk
+
+    def locate(g, s, rows, cols):
+        b, c = batch_and_chunk(g, num_chunks)
+        step = c * steps_per_chunk + s
+        return (b, *unpack_step(rows[step], cols[step])[:3])
+
+    def q_rows(g, s, rows, cols, window):  # [B, H, T, D] blocks of query rows
+        b, head, qb, _ = locate(g, s, rows, cols)
+        return b, head, qb, 0
+
+    def kv_rows(g, s, rows, cols, window):  # [B, G, T, D] blocks of key rows
+        b, head, _, kb = locate(g, s, rows, cols)
+        return b, jax.lax.div(head, group), kb, 0
+
+    def q_row_vector(g, s, rows, cols, window):  # [B, H, 1, T] per-query statistics
+        b, head, qb, _ = locate(g, s, rows, cols)
+        return b, head, 0, qb
+
+    def q_seg_lanes(g, s, rows, cols, window):  # [B, T, 128]
+        b, _, qb, _ = locate(g, s, rows, cols)
+        return b, qb, 0
+
+    def q_seg_sublanes(g, s, rows, cols, window):  # [B, 8, T]
+        b, _, qb, _ = locate(g, s, rows, cols)
+        return b, 0, qb
+
+    def k_seg_lanes(g, s, rows, cols, window):  # [B, T, 128]
+        b, _, _, kb = locate(g, s, rows, cols)
+        return b, kb, 0
+
+    def k_seg_sublanes(g, s, rows, cols, window):  # [B, 8, T]
+        b, _, _, kb = locate(g, s, rows, cols)
+        return b, 0, kb
+
+    def q_block_stat(g, s, rows, cols, window):  # [B, H, nq * 8, 128]
+        b, head, qb, _ = locate(g, s, rows, cols)
+        return b, head, qb, 0
+
+    return dict(q_rows=q_rows, kv_rows=kv_rows, q_row_vector=q_row_vector,
+                q_seg_lanes=q_seg_lanes, q_seg_sublanes=q_seg_sublanes,
+                k_seg_lanes=k_seg_lanes, k_seg_sublanes=k_seg_sublanes,
+                q_block_stat=q_block_stat)
+
+
+def worklist_call(kernel, plan: AttentionPlan, worklist: WorkList, *, batch: int, in_specs,
+                  out_specs, out_shape, scratch_shapes, name: str):
+    """The pallas_call of ``kernel(rows_ref, cols_ref, window_ref, *refs, plan, num_chunks)``
+    over ``worklist``; call the result with the operands (the tables are prepended)."""
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=NUM_TABLES,
+        grid=(batch * worklist.num_chunks, worklist.steps_per_chunk),
+        in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch_shapes)
+    call = pl.pallas_call(
+        functools.partial(kernel, plan=plan, num_chunks=worklist.num_chunks),
+        grid_spec=grid_spec, out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=plan.interpret if plan.interpret is not None else False, name=name)
+    tables = [jnp.asarray(t) for t in worklist.tables()] + [jnp.asarray(plan.window_table())]
+    return lambda *operands: call(*tables, *operands)

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from ls_jax.kernels.pallas_tpu_plan import ACTIVE, MASKED
+from ls_jax.kernels.band import tile_allowed_KxQ, tile_allowed_QxK
+from ls_jax.kernels.pallas_tpu.plan import ACTIVE, MASKED, batch_and_chunk
 
 NUM_LANES = 128
 NUM_SUBLANES = 8
@@ -37,25 +38,11 @@ def widen(x_Nx128: jax.Array, width: int) -> jax.Array:
     return x_Nx128 if repeats == 1 else jnp.tile(x_Nx128, (1, repeats))
 
 
-def band_mask_QxK(q_first, k_first, block_q: int, block_k: int, window) -> jax.Array:
-    """bool [block_q, block_k]: key k_first + c is in the band of query q_first + r."""
-    d = (q_first + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)) - (
-        k_first + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1))
-    return (d >= 0) & (d < window)
-
-
-def band_mask_KxQ(q_first, k_first, block_q: int, block_k: int, window) -> jax.Array:
-    """bool [block_k, block_q]: the transposed tile (keys on rows), for the dK/dV kernel."""
-    d = (q_first + jax.lax.broadcasted_iota(jnp.int32, (block_k, block_q), 1)) - (
-        k_first + jax.lax.broadcasted_iota(jnp.int32, (block_k, block_q), 0))
-    return (d >= 0) & (d < window)
-
-
-def segment_mask(rows_seg_Rx128: jax.Array, cols_seg_8xC: jax.Array) -> jax.Array:
-    """bool [R, C]: same segment, from a lanes-layout block (rows) and a sublanes-layout block
+def segment_mask(rows_seg_Nx128: jax.Array, cols_seg_8xM: jax.Array) -> jax.Array:
+    """bool [N, M]: same segment, from a lanes-layout block (rows) and a sublanes-layout block
     (columns)."""
-    cols = cols_seg_8xC.shape[1]
-    return widen(rows_seg_Rx128, cols) == cols_seg_8xC[:1, :]
+    cols = cols_seg_8xM.shape[1]
+    return widen(rows_seg_Nx128, cols) == cols_seg_8xM[:1, :]
 
 
 def tile_mask(band_mask, rows_seg_ref, cols_seg_ref):
@@ -67,9 +54,24 @@ def tile_mask(band_mask, rows_seg_ref, cols_seg_ref):
     return same if band_mask is None else band_mask & same
 
 
-def max_abs_1x1(x_RxC: jax.Array) -> jax.Array:
+def band_mask_QxK(band_edge: bool, q_block, k_block, block_q: int, block_k: int, window):
+    """bool [block_q, block_k] band mask (``kernels.band``) of a band-edge tile; None for a
+    tile inside the band."""
+    if not band_edge:
+        return None
+    return tile_allowed_QxK(q_block * block_q, k_block * block_k, block_q, block_k, window)
+
+
+def band_mask_KxQ(band_edge: bool, q_block, k_block, block_q: int, block_k: int, window):
+    """The transposed tile (keys on rows) of ``band_mask_QxK``, for the dK/dV kernel."""
+    if not band_edge:
+        return None
+    return tile_allowed_KxQ(q_block * block_q, k_block * block_k, block_q, block_k, window)
+
+
+def max_abs_1x1(x_QxK: jax.Array) -> jax.Array:
     """float32 [1, 1]: max |x| (x already zeroed outside the allowed pairs)."""
-    return jnp.max(jnp.max(jnp.abs(x_RxC), axis=1, keepdims=True), axis=0, keepdims=True)
+    return jnp.max(jnp.max(jnp.abs(x_QxK), axis=1, keepdims=True), axis=0, keepdims=True)
 
 
 def run_tile(flags, tile) -> None:
@@ -79,3 +81,9 @@ def run_tile(flags, tile) -> None:
     edge = (flags & MASKED) != 0
     pl.when(active & edge)(lambda: tile(True))
     pl.when(active & jnp.logical_not(edge))(lambda: tile(False))
+
+
+def step_index(num_chunks: int):
+    """Inside a kernel: the current step's position in the flattened work-list tables."""
+    _, c = batch_and_chunk(pl.program_id(0), num_chunks)
+    return c * pl.num_programs(1) + pl.program_id(1)

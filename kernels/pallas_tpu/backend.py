@@ -2,12 +2,12 @@
 
 One pallas_call per pass (forward; dQ; dK/dV) covers every head of the layer, each with its own
 window, and its grid only lists the tiles that intersect each head's band (work lists, see
-``kernels/pallas_tpu_plan.py``): a local head costs about ceil(p / block) + 1 steps per query
+``kernels/pallas_tpu/plan.py``): a local head costs about ceil(p / block) + 1 steps per query
 block whatever T is, a global head the lower triangle. Design notes: docs/tpu-kernel.md.
 
 This file holds the layout (to [B, H, T, D], padded), the ``interpret`` argument, and the
-``jax.custom_vjp`` wiring; the kernels are in ``kernels/pallas_tpu_fwd.py`` and
-``kernels/pallas_tpu_bwd.py``. On a machine without a TPU it runs in Pallas' TPU interpret
+``jax.custom_vjp`` wiring; the kernels are in ``forward.py`` and ``backward.py``, their shared
+grid plumbing in ``plan.py`` and in-kernel pieces in ``tiles.py``. On a machine without a TPU it runs in Pallas' TPU interpret
 mode (``interpret=True`` or a ``pltpu.InterpretParams``), which simulates TPU memory spaces
 and DMAs on CPU.
 """
@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from ls_jax.kernels.api import validate_inputs
-from ls_jax.kernels.pallas_tpu_bwd import dkdv_call, dq_call
-from ls_jax.kernels.pallas_tpu_fwd import forward_call
-from ls_jax.kernels.pallas_tpu_plan import AttentionPlan, make_plan
-from ls_jax.kernels.pallas_tpu_tiles import NUM_LANES, NUM_SUBLANES
+from ls_jax.kernels.band import WindowSizes
+from ls_jax.kernels.pallas_tpu.backward import dkdv_call, dq_call
+from ls_jax.kernels.pallas_tpu.forward import forward_call
+from ls_jax.kernels.pallas_tpu.plan import AttentionPlan, make_plan
+from ls_jax.kernels.pallas_tpu.tiles import NUM_LANES, NUM_SUBLANES
+from ls_jax.kernels.reference import default_scale
 
 
 def interpret_params(interpret) -> pltpu.InterpretParams | None:
@@ -66,7 +67,7 @@ def _segment_layouts(segment_ids_BxT, plan: AttentionPlan):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(plan: AttentionPlan, q, k, v, segs):
-    """Padded [B, H, T_pad, D_pad] operands -> (o, lse [B, Hq, 1, T_pad], max_abs or None)."""
+    """Padded [B, H, T_pad, D_pad] operands -> (o, lse [B, H, 1, T_pad], max_abs or None)."""
     return forward_call(plan, q, k, v, *segs)
 
 
@@ -80,32 +81,33 @@ def _attention_bwd(plan, residuals, cotangents):
     do, dlse, _ = cotangents  # max |logit| is a statistic: no gradient
     do = do.astype(q.dtype)
     # d lse_i / d s_ij = p_ij, so lse's cotangent enters dS = p * (dP - delta) as -dlse
-    delta_Bx1xT = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)[:, :, None, :]
-    delta_Bx1xT = delta_Bx1xT - dlse
-    dq = dq_call(plan, q, k, v, do, lse, delta_Bx1xT, *segs)
-    dk, dv = dkdv_call(plan, q, k, v, do, lse, delta_Bx1xT, *segs)
+    delta_BxHx1xT = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)[:, :, None, :]
+    delta_BxHx1xT = delta_BxHx1xT - dlse
+    dq = dq_call(plan, q, k, v, do, lse, delta_BxHx1xT, *segs)
+    dk, dv = dkdv_call(plan, q, k, v, do, lse, delta_BxHx1xT, *segs)
     return dq, dk, dv, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def pallas_tpu_attention_parts(q, k, v, window_sizes, segment_ids=None, sm_scale=None, *,
-                               block_q=None, block_k=None, num_chunks: int = 1,
+def pallas_tpu_attention_parts(q, k, v, window_sizes: WindowSizes, segment_ids=None,
+                               scale=None, *, block_q=None, block_k=None, num_chunks: int = 1,
                                logit_stats: bool = True, interpret=False):
-    """Returns (out [B, T, Hq, D] in q's dtype, lse float32 [B, Hq, T] natural log,
-    max_abs_logit float32 [Hq] or None), differentiable in q, k, v (through out and lse).
+    """Returns (out [B, T, H, D] in q's dtype, lse float32 [B, H, T] natural log,
+    max_abs_logit float32 [H] or None), differentiable in q, k, v (through out and lse).
 
-    block_q, block_k: multiples of 128 (default: ``default_block_size``); num_chunks: number of
-    independent pieces of each work list (a "parallel" grid axis for multi-core chips).
-    float16 is computed in float32 (cast back at the end).
+    Inputs are as for ``kernels.ls_attention`` (already validated). block_q, block_k:
+    multiples of 128 (default: ``plan.default_block_size``); num_chunks: number of independent
+    pieces of each work list (a "parallel" grid axis for multi-core chips). float16 is
+    computed in float32 (cast back at the end). ``interpret``: see ``interpret_params``.
     """
-    windows, scale = validate_inputs(q, k, v, window_sizes, segment_ids, sm_scale)
-    B, T, Hq, D = q.shape
-    plan = make_plan(seq_len=T, head_dim=D, windows=windows, num_kv_heads=k.shape[2],
-                     sm_scale=scale, has_segments=segment_ids is not None,
-                     logit_stats=logit_stats, block_q=block_q, block_k=block_k,
-                     num_chunks=num_chunks, interpret=interpret_params(interpret))
+    B, T, H, D = q.shape
+    plan = make_plan(seq_len=T, head_dim=D, windows=tuple(window_sizes),
+                     num_kv_heads=k.shape[2], scale=default_scale(D) if scale is None else scale,
+                     has_segments=segment_ids is not None, logit_stats=logit_stats,
+                     block_q=block_q, block_k=block_k, num_chunks=num_chunks,
+                     interpret=interpret_params(interpret))
     compute_dtype = jnp.float32 if q.dtype == jnp.float16 else q.dtype
     q_, k_, v_ = (_to_kernel_layout(x.astype(compute_dtype), plan) for x in (q, k, v))
     segs = (None, None) if segment_ids is None else _segment_layouts(segment_ids, plan)
@@ -117,16 +119,23 @@ def pallas_tpu_attention_parts(q, k, v, window_sizes, segment_ids=None, sm_scale
     return out, lse_BxHxT, max_abs
 
 
-def pallas_tpu_backend(q, k, v, *, window_sizes, segment_ids, sm_scale, return_logit_stats,
+def pallas_tpu_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_stats,
                        interpret, block_q=None, block_k=None, num_chunks: int = 1):
-    """Backend entry for ``kernels.ls_attention(..., implementation="pallas_tpu")``."""
-    params = interpret_params(interpret)
-    if params is None and jax.default_backend() != "tpu":
+    """The "pallas_tpu" backend (``kernels.api.get_backend``).
+
+    Without ``interpret``, the lowering platform decides: traced (under ``jax.jit`` or
+    ``jax.export(..., platforms=("tpu",))``) it emits the Mosaic kernels whatever JAX's
+    default backend is, so a machine without a TPU can export for one, and lowering them for
+    another platform fails in JAX's Pallas lowering. Called eagerly off a TPU, it raises.
+    """
+    if interpret_params(interpret) is None and not isinstance(q, jax.core.Tracer) \
+            and jax.default_backend() != "tpu":
         raise ValueError(
             "interpret: implementation='pallas_tpu' compiles for TPU, but the JAX backend is "
             f"{jax.default_backend()!r}; pass interpret=True (or a pltpu.InterpretParams) to "
-            "run it in TPU interpret mode on CPU")
+            "run it in TPU interpret mode on CPU, or export it with jax.export(..., "
+            "platforms=('tpu',))")
     out, _, max_abs = pallas_tpu_attention_parts(
-        q, k, v, window_sizes, segment_ids, sm_scale, block_q=block_q, block_k=block_k,
-        num_chunks=num_chunks, logit_stats=return_logit_stats, interpret=params)
+        q, k, v, window_sizes, segment_ids, scale, block_q=block_q, block_k=block_k,
+        num_chunks=num_chunks, logit_stats=return_logit_stats, interpret=interpret)
     return out, max_abs

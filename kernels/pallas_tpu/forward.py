@@ -3,7 +3,7 @@
 Grid (batch * chunk, step): the leading "parallel" axis enumerates (batch b, chunk c) as
 b * num_chunks + c (so a 2-TensorCore chip can split it even at batch 1), and step s of chunk c
 computes the tile (head, query block, key block) listed at c * steps_per_chunk + s of the
-scalar-prefetch tables (``kernels/pallas_tpu_plan.py``). The BlockSpec index maps read the
+scalar-prefetch tables (``kernels/pallas_tpu/plan.py``). The BlockSpec index maps read the
 same tables, so the pipeline DMAs exactly the q/k/v blocks of the listed tiles, and a query
 block is fetched once per run of its key blocks. Online softmax state lives in VMEM scratch
 across a run; its last step writes the output block, the logsumexp (natural log, lane-dense
@@ -12,15 +12,14 @@ across a run; its last step writes the output block, the logsumexp (natural log,
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ls_jax.kernels.pallas_tpu_plan import FIRST, LAST, AttentionPlan, unpack_step
-from ls_jax.kernels.pallas_tpu_tiles import (
+from ls_jax.kernels.pallas_tpu.plan import (FIRST, LAST, AttentionPlan, index_maps,
+                                            unpack_step, worklist_call)
+from ls_jax.kernels.pallas_tpu.tiles import (
     MASK_VALUE,
     NT_DIMS,
     NUM_LANES,
@@ -28,11 +27,10 @@ from ls_jax.kernels.pallas_tpu_tiles import (
     band_mask_QxK,
     max_abs_1x1,
     run_tile,
+    step_index,
     tile_mask,
     widen,
 )
-
-NUM_TABLES = 3  # packed steps (head | q_block, flags | k_block), window per query head
 
 
 def _forward_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
@@ -64,9 +62,8 @@ def _forward_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
 
     def tile(band_edge: bool):
         s_QxK = jax.lax.dot_general(q_ref[...], k_ref[...], NT_DIMS,
-                                    preferred_element_type=jnp.float32) * plan.sm_scale
-        band = (band_mask_QxK(q_block * bq, k_block * bk, bq, bk, window_ref[head])
-                if band_edge else None)
+                                    preferred_element_type=jnp.float32) * plan.scale
+        band = band_mask_QxK(band_edge, q_block, k_block, bq, bk, window_ref[head])
         mask_QxK = tile_mask(band, qseg_ref, kseg_ref)
         if mask_QxK is not None:
             s_QxK = jnp.where(mask_QxK, s_QxK, MASK_VALUE)
@@ -97,116 +94,40 @@ def _forward_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
             maxabs_ref[...] = maxabs_scr[...]
 
 
-def batch_and_chunk(g, num_chunks: int):
-    """(batch, chunk) of the leading grid index g = batch * num_chunks + chunk."""
-    if num_chunks == 1:
-        return g, 0
-    return jax.lax.div(g, num_chunks), jax.lax.rem(g, num_chunks)
-
-
-def step_index(num_chunks: int):
-    """Inside a kernel: the current step's position in the flattened tables."""
-    _, c = batch_and_chunk(pl.program_id(0), num_chunks)
-    return c * pl.num_programs(1) + pl.program_id(1)
-
-
-def index_maps(plan: AttentionPlan, worklist):
-    """BlockSpec index maps over grid (batch * chunk, step) reading the prefetched tables."""
-    group = plan.q_heads_per_kv_head
-    num_chunks, steps_per_chunk = worklist.num_chunks, worklist.steps_per_chunk
-
-    def locate(g, s, rows, cols):
-        b, c = batch_and_chunk(g, num_chunks)
-        step = c * steps_per_chunk + s
-        return (b, *unpack_step(rows[step], cols[step])[:3])
-
-    def q_rows(g, s, rows, cols, window):  # [B, Hq, T, D] blocks of query rows
-        b, head, qb, _ = locate(g, s, rows, cols)
-        return b, head, qb, 0
-
-    def kv_rows(g, s, rows, cols, window):  # [B, Hkv, T, D] blocks of key rows
-        b, head, _, kb = locate(g, s, rows, cols)
-        return b, jax.lax.div(head, group), kb, 0
-
-    def q_row_vector(g, s, rows, cols, window):  # [B, Hq, 1, T] per-query statistics
-        b, head, qb, _ = locate(g, s, rows, cols)
-        return b, head, 0, qb
-
-    def q_seg_lanes(g, s, rows, cols, window):  # [B, T, 128]
-        b, _, qb, _ = locate(g, s, rows, cols)
-        return b, qb, 0
-
-    def q_seg_sublanes(g, s, rows, cols, window):  # [B, 8, T]
-        b, _, qb, _ = locate(g, s, rows, cols)
-        return b, 0, qb
-
-    def k_seg_lanes(g, s, rows, cols, window):  # [B, T, 128]
-        b, _, _, kb = locate(g, s, rows, cols)
-        return b, kb, 0
-
-    def k_seg_sublanes(g, s, rows, cols, window):  # [B, 8, T]
-        b, _, _, kb = locate(g, s, rows, cols)
-        return b, 0, kb
-
-    def q_block_stat(g, s, rows, cols, window):  # [B, Hq, nq * 8, 128]
-        b, head, qb, _ = locate(g, s, rows, cols)
-        return b, head, qb, 0
-
-    return dict(q_rows=q_rows, kv_rows=kv_rows, q_row_vector=q_row_vector,
-                q_seg_lanes=q_seg_lanes, q_seg_sublanes=q_seg_sublanes,
-                k_seg_lanes=k_seg_lanes, k_seg_sublanes=k_seg_sublanes,
-                q_block_stat=q_block_stat)
-
-
-def scalar_tables(plan: AttentionPlan, worklist) -> list[jax.Array]:
-    return [jnp.asarray(t) for t in worklist.tables()] + [jnp.asarray(plan.window_table())]
-
-
-def compiler_params():
-    return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
-
-
-def forward_call(plan: AttentionPlan, q_BxHxTxD, k_BxKxTxD, v_BxKxTxD, seg_lanes_BxTx128=None,
+def forward_call(plan: AttentionPlan, q_BxHxTxD, k_BxGxTxD, v_BxGxTxD, seg_lanes_BxTx128=None,
                  seg_sublanes_Bx8xT=None):
     """Runs the forward kernel on padded [B, H, T_pad, D_pad] operands.
 
-    Returns (o [B, Hq, T_pad, D_pad] in q's dtype, lse float32 [B, Hq, 1, T_pad],
-    max_abs float32 [B, Hq, num_q_blocks * 8, 128] or None).
+    Returns (o [B, H, T_pad, D_pad] in q's dtype, lse float32 [B, H, 1, T_pad],
+    max_abs float32 [B, H, num_q_blocks * 8, 128] or None).
     """
-    B, Hq, Tp, Dp = q_BxHxTxD.shape
+    B, H, Tp, Dp = q_BxHxTxD.shape
     bq, bk = plan.block_q, plan.block_k
     wl = plan.forward_worklist()
     maps = index_maps(plan, wl)
     in_specs = [pl.BlockSpec((None, None, bq, Dp), maps["q_rows"]),
                 pl.BlockSpec((None, None, bk, Dp), maps["kv_rows"]),
                 pl.BlockSpec((None, None, bk, Dp), maps["kv_rows"])]
-    operands = [q_BxHxTxD, k_BxKxTxD, v_BxKxTxD]
+    operands = [q_BxHxTxD, k_BxGxTxD, v_BxGxTxD]
     if plan.has_segments:
         in_specs += [pl.BlockSpec((None, bq, NUM_LANES), maps["q_seg_lanes"]),
                      pl.BlockSpec((None, NUM_SUBLANES, bk), maps["k_seg_sublanes"])]
         operands += [seg_lanes_BxTx128, seg_sublanes_Bx8xT]
-    out_shape = [jax.ShapeDtypeStruct((B, Hq, Tp, Dp), q_BxHxTxD.dtype),
-                 jax.ShapeDtypeStruct((B, Hq, 1, Tp), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((B, H, Tp, Dp), q_BxHxTxD.dtype),
+                 jax.ShapeDtypeStruct((B, H, 1, Tp), jnp.float32)]
     out_specs = [pl.BlockSpec((None, None, bq, Dp), maps["q_rows"]),
                  pl.BlockSpec((None, None, 1, bq), maps["q_row_vector"])]
     scratch = [pltpu.VMEM((bq, NUM_LANES), jnp.float32),  # running max
                pltpu.VMEM((bq, NUM_LANES), jnp.float32),  # running sum
                pltpu.VMEM((bq, Dp), jnp.float32)]  # output accumulator
     if plan.logit_stats:
-        out_shape.append(jax.ShapeDtypeStruct((B, Hq, plan.num_q_blocks * NUM_SUBLANES,
+        out_shape.append(jax.ShapeDtypeStruct((B, H, plan.num_q_blocks * NUM_SUBLANES,
                                                NUM_LANES), jnp.float32))
         out_specs.append(pl.BlockSpec((None, None, NUM_SUBLANES, NUM_LANES),
                                       maps["q_block_stat"]))
         scratch.append(pltpu.VMEM((NUM_SUBLANES, NUM_LANES), jnp.float32))
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=NUM_TABLES,
-        grid=(B * wl.num_chunks, wl.steps_per_chunk),
-        in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch)
-    outs = pl.pallas_call(
-        functools.partial(_forward_kernel, plan=plan, num_chunks=wl.num_chunks),
-        grid_spec=grid_spec, out_shape=out_shape, compiler_params=compiler_params(),
-        interpret=plan.interpret if plan.interpret is not None else False,
-        name="ls_attention_tpu_fwd",
-    )(*scalar_tables(plan, wl), *operands)
+    outs = worklist_call(_forward_kernel, plan, wl, batch=B, in_specs=in_specs,
+                         out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
+                         name="ls_attention_tpu_fwd")(*operands)
     o, lse = outs[:2]
     return o, lse, (outs[2] if plan.logit_stats else None)

@@ -1,6 +1,6 @@
 """In-kernel pieces shared by the Pallas GPU forward and backward kernels.
 
-The kernels keep the raw dot products ``q . k`` and apply ``c = sm_scale * log2(e)`` inside
+The kernels keep the raw dot products ``q . k`` and apply ``c = scale * log2(e)`` inside
 ``exp2`` (``exp2(s * c - m * c)`` is one FMA and one MUFU op per element); the saved
 logsumexp is base 2 (``lse2 = lse * log2(e)``). A key the query may not see gets the finite
 score ``MASKED_SCORE``, and the scaled running max a row's exponents are taken against is
@@ -13,14 +13,15 @@ scores.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ls_jax.kernels.band import kv_block_range, kv_full_block_range, q_block_range, q_full_block_range
+from ls_jax.kernels.band import (kv_block_range, kv_full_block_range, q_block_range,
+                                 q_full_block_range, tile_allowed_KxQ, tile_allowed_QxK)
+from ls_jax.kernels.pallas_gpu.plan import LOOP_MODES, ClassPaths
 
 MASKED_SCORE = -1e30
 MAX_FLOOR = -1e20  # far below any real scaled logit, far above MASKED_SCORE * c
@@ -56,55 +57,25 @@ def split_q_loop(kv_block, block_q: int, block_k: int, window, seq_len: int):
     return first, lo, hi, end
 
 
-def band_mask_QxK(q_first, k_first, block_q: int, block_k: int, window):
-    """bool [block_q, block_k]: key k_first + c is inside the band of query q_first + r."""
-    i_Qx1 = q_first + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
-    j_1xK = k_first + jax.lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-    d = i_Qx1 - j_1xK
-    return (d >= 0) & (d < window)
-
-
-def band_mask_KxQ(q_first, k_first, block_q: int, block_k: int, window):
-    """bool [block_k, block_q]: the transpose of ``band_mask_QxK`` (for the dK/dV tiles)."""
-    j_Kx1 = k_first + jax.lax.broadcasted_iota(jnp.int32, (block_k, block_q), 0)
-    i_1xQ = q_first + jax.lax.broadcasted_iota(jnp.int32, (block_k, block_q), 1)
-    d = i_1xQ - j_Kx1
-    return (d >= 0) & (d < window)
-
-
 def allowed_QxK(q_first, k_first, block_q: int, block_k: int, window, segment_ref=None,
                 batch=None):
-    """bool [block_q, block_k]: the band mask and, with a segment-id ref [B, T], same segment."""
-    ok = band_mask_QxK(q_first, k_first, block_q, block_k, window)
+    """bool [block_q, block_k]: the band (``kernels.band``) and, with a segment-id ref
+    [B, T], the same segment."""
+    seg_Q1 = seg_1K = None
     if segment_ref is not None:
-        seg_q = segment_ref[batch, pl.ds(q_first, block_q)]
-        seg_k = segment_ref[batch, pl.ds(k_first, block_k)]
-        ok = ok & (seg_q[:, None] == seg_k[None, :])
-    return ok
+        seg_Q1 = segment_ref[batch, pl.ds(q_first, block_q)][:, None]
+        seg_1K = segment_ref[batch, pl.ds(k_first, block_k)][None, :]
+    return tile_allowed_QxK(q_first, k_first, block_q, block_k, window, seg_Q1, seg_1K)
 
 
 def allowed_KxQ(q_first, k_first, block_q: int, block_k: int, window, segment_ref=None,
                 batch=None):
     """bool [block_k, block_q]: the transpose of ``allowed_QxK`` (for the dK/dV tiles)."""
-    ok = band_mask_KxQ(q_first, k_first, block_q, block_k, window)
+    seg_K1 = seg_1Q = None
     if segment_ref is not None:
-        seg_k = segment_ref[batch, pl.ds(k_first, block_k)]
-        seg_q = segment_ref[batch, pl.ds(q_first, block_q)]
-        ok = ok & (seg_k[:, None] == seg_q[None, :])
-    return ok
-
-
-LOOP_MODES = ("split", "cond", "masked")
-
-
-@dataclasses.dataclass(frozen=True)
-class TilePath:
-    """Static description of how one class of programs walks its tiles: the tile
-    block_q x block_k, and how boundary tiles get their mask (one of ``LOOP_MODES``)."""
-
-    block_q: int
-    block_k: int
-    loop_mode: str
+        seg_K1 = segment_ref[batch, pl.ds(k_first, block_k)][:, None]
+        seg_1Q = segment_ref[batch, pl.ds(q_first, block_q)][None, :]
+    return tile_allowed_KxQ(q_first, k_first, block_q, block_k, window, seg_K1, seg_1Q)
 
 
 def mask_scores(s, ok_fn, masking):
@@ -139,17 +110,6 @@ def run_band_loop(first, lo, hi, end, tile, carry, mode: str):
     carry = jax.lax.fori_loop(first, lo, lambda j, c: tile(j, c, "always"), carry)
     carry = jax.lax.fori_loop(lo, hi, lambda j, c: tile(j, c, "none"), carry)
     return jax.lax.fori_loop(hi, end, lambda j, c: tile(j, c, "always"), carry)
-
-
-@dataclasses.dataclass(frozen=True)
-class ClassPaths:
-    """The tile paths one kernel compiles, one per class of head present (None: absent).
-
-    A head's class is an int from a small table: 0 wide (``wide``), 1 narrow (``narrow``).
-    """
-
-    wide: TilePath | None = None
-    narrow: TilePath | None = None
 
 
 def run_by_class(head_class, paths: ClassPaths, one_block):

@@ -16,28 +16,21 @@ dS = p * (dP - delta) with dP = dO V^T; dQ = scale * dS K, dK = scale * dS^T Q, 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ls_jax.kernels.pallas_tpu_fwd import (
-    NUM_TABLES,
-    compiler_params,
-    index_maps,
-    scalar_tables,
-    step_index,
-)
-from ls_jax.kernels.pallas_tpu_plan import FIRST, LAST, AttentionPlan, unpack_step
-from ls_jax.kernels.pallas_tpu_tiles import (
+from ls_jax.kernels.pallas_tpu.plan import (FIRST, LAST, AttentionPlan, index_maps,
+                                            unpack_step, worklist_call)
+from ls_jax.kernels.pallas_tpu.tiles import (
     NT_DIMS,
     NUM_LANES,
     NUM_SUBLANES,
     band_mask_KxQ,
     band_mask_QxK,
     run_tile,
+    step_index,
     tile_mask,
 )
 
@@ -69,12 +62,11 @@ def _dq_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
     def tile(band_edge: bool):
         q, k = q_ref[...], k_ref[...]
         s_QxK = jax.lax.dot_general(q, k, NT_DIMS,
-                                    preferred_element_type=jnp.float32) * plan.sm_scale
+                                    preferred_element_type=jnp.float32) * plan.scale
         lse_Qx1 = jnp.expand_dims(lse_ref[0], -1)
         delta_Qx1 = jnp.expand_dims(delta_ref[0], -1)
         p_QxK = jnp.exp(s_QxK - lse_Qx1)
-        band = (band_mask_QxK(q_block * bq, k_block * bk, bq, bk, window_ref[head])
-                if band_edge else None)
+        band = band_mask_QxK(band_edge, q_block, k_block, bq, bk, window_ref[head])
         mask_QxK = tile_mask(band, qseg_ref, kseg_ref)
         if mask_QxK is not None:
             p_QxK = jnp.where(mask_QxK, p_QxK, 0.0)
@@ -87,7 +79,7 @@ def _dq_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
 
     @pl.when((flags & LAST) != 0)
     def _finish():
-        dq_ref[...] = (dq_scr[...] * plan.sm_scale).astype(dq_ref.dtype)
+        dq_ref[...] = (dq_scr[...] * plan.scale).astype(dq_ref.dtype)
 
 
 def _dkdv_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
@@ -107,10 +99,9 @@ def _dkdv_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
     def tile(band_edge: bool):
         q, k, do = q_ref[...], k_ref[...], do_ref[...]
         s_KxQ = jax.lax.dot_general(k, q, NT_DIMS,
-                                    preferred_element_type=jnp.float32) * plan.sm_scale
+                                    preferred_element_type=jnp.float32) * plan.scale
         p_KxQ = jnp.exp(s_KxQ - lse_ref[...])  # [1, bq] row broadcast over the key rows
-        band = (band_mask_KxQ(q_block * bq, k_block * bk, bq, bk, window_ref[head])
-                if band_edge else None)
+        band = band_mask_KxQ(band_edge, q_block, k_block, bq, bk, window_ref[head])
         mask_KxQ = tile_mask(band, kseg_ref, qseg_ref)
         if mask_KxQ is not None:
             p_KxQ = jnp.where(mask_KxQ, p_KxQ, 0.0)
@@ -124,23 +115,8 @@ def _dkdv_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
 
     @pl.when((flags & LAST) != 0)
     def _finish():
-        dk_ref[...] = (dk_scr[...] * plan.sm_scale).astype(dk_ref.dtype)
+        dk_ref[...] = (dk_scr[...] * plan.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
-
-
-def _call(kernel, plan: AttentionPlan, worklist, in_specs, operands, out_shape, out_specs,
-          scratch, name):
-    B = operands[0].shape[0]
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=NUM_TABLES,
-        grid=(B * worklist.num_chunks, worklist.steps_per_chunk),
-        in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch)
-    return pl.pallas_call(
-        functools.partial(kernel, plan=plan, num_chunks=worklist.num_chunks),
-        grid_spec=grid_spec, out_shape=out_shape,
-        compiler_params=compiler_params(),
-        interpret=plan.interpret if plan.interpret is not None else False, name=name,
-    )(*scalar_tables(plan, worklist), *operands)
 
 
 def _tile_input_specs(plan: AttentionPlan, maps) -> list:
@@ -154,40 +130,44 @@ def _tile_input_specs(plan: AttentionPlan, maps) -> list:
             pl.BlockSpec((None, None, 1, bq), maps["q_row_vector"])]
 
 
-def dq_call(plan: AttentionPlan, q, k, v, do, lse_Bx1xT, delta_Bx1xT, seg_lanes=None,
+def dq_call(plan: AttentionPlan, q, k, v, do, lse_BxHx1xT, delta_BxHx1xT, seg_lanes=None,
             seg_sublanes=None):
-    """dQ [B, Hq, T_pad, D_pad] in q's dtype. Operands padded as for ``forward_call``;
-    lse and delta float32 [B, Hq, 1, T_pad]."""
+    """dQ [B, H, T_pad, D_pad] in q's dtype. Operands padded as for ``forward_call``;
+    lse and delta float32 [B, H, 1, T_pad]."""
     bq, bk, Dp = plan.block_q, plan.block_k, plan.head_dim_padded
     wl = plan.forward_worklist()
     maps = index_maps(plan, wl)
     in_specs = _tile_input_specs(plan, maps)
-    operands = [q, k, v, do, lse_Bx1xT, delta_Bx1xT]
+    operands = [q, k, v, do, lse_BxHx1xT, delta_BxHx1xT]
     if plan.has_segments:
         in_specs += [pl.BlockSpec((None, bq, NUM_LANES), maps["q_seg_lanes"]),
                      pl.BlockSpec((None, NUM_SUBLANES, bk), maps["k_seg_sublanes"])]
         operands += [seg_lanes, seg_sublanes]
-    return _call(_dq_kernel, plan, wl, in_specs, operands,
-                 jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 pl.BlockSpec((None, None, bq, Dp), maps["q_rows"]),
-                 [pltpu.VMEM((bq, Dp), jnp.float32)], "ls_attention_tpu_dq")
+    return worklist_call(
+        _dq_kernel, plan, wl, batch=q.shape[0], in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, bq, Dp), maps["q_rows"]),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        scratch_shapes=[pltpu.VMEM((bq, Dp), jnp.float32)], name="ls_attention_tpu_dq",
+    )(*operands)
 
 
-def dkdv_call(plan: AttentionPlan, q, k, v, do, lse_Bx1xT, delta_Bx1xT, seg_lanes=None,
+def dkdv_call(plan: AttentionPlan, q, k, v, do, lse_BxHx1xT, delta_BxHx1xT, seg_lanes=None,
               seg_sublanes=None):
-    """(dK, dV) [B, Hkv, T_pad, D_pad] in k's dtype, summed over each kv head's query heads."""
+    """(dK, dV) [B, G, T_pad, D_pad] in k's dtype, summed over each kv head's query heads."""
     bq, bk, Dp = plan.block_q, plan.block_k, plan.head_dim_padded
     wl = plan.dkdv_worklist()
     maps = index_maps(plan, wl)
     in_specs = _tile_input_specs(plan, maps)
-    operands = [q, k, v, do, lse_Bx1xT, delta_Bx1xT]
+    operands = [q, k, v, do, lse_BxHx1xT, delta_BxHx1xT]
     if plan.has_segments:
         in_specs += [pl.BlockSpec((None, bk, NUM_LANES), maps["k_seg_lanes"]),
                      pl.BlockSpec((None, NUM_SUBLANES, bq), maps["q_seg_sublanes"])]
         operands += [seg_lanes, seg_sublanes]
     kv_spec = pl.BlockSpec((None, None, bk, Dp), maps["kv_rows"])
-    return _call(_dkdv_kernel, plan, wl, in_specs, operands,
-                 [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-                 [kv_spec, kv_spec],
-                 [pltpu.VMEM((bk, Dp), jnp.float32), pltpu.VMEM((bk, Dp), jnp.float32)],
-                 "ls_attention_tpu_dkdv")
+    return worklist_call(
+        _dkdv_kernel, plan, wl, batch=q.shape[0], in_specs=in_specs,
+        out_specs=[kv_spec, kv_spec],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        scratch_shapes=[pltpu.VMEM((bk, Dp), jnp.float32), pltpu.VMEM((bk, Dp), jnp.float32)],
+        name="ls_attention_tpu_dkdv",
+    )(*operands)

@@ -1,12 +1,12 @@
 """Forward Pallas GPU kernel: flash attention over each head's band, all heads in one launch.
 
 A program's key/value loop visits only the key blocks that intersect its head's band
-(``kernels.pallas_gpu_tiles.split_kv_loop``): boundary tiles get an element mask, interior
-tiles none, and blocks outside the band are never loaded. Per-head data comes from a small
-int32 table ``head [2, Hq]``: row 0 the window, row 1 the head's class (wide or narrow). Each class
-present is a static ``TilePath`` compiled into the same kernel behind a run-time branch, so
-wide heads can use other tiles than narrow ones, all in one launch. The order of programs
-comes from a schedule table (longest first).
+(``kernels.pallas_gpu.tiles.split_kv_loop``, from the ranges of ``kernels.band``): boundary
+tiles get an element mask, interior tiles none, and blocks outside the band are never loaded.
+Per-head data comes from a small int32 table ``head [2, H]``: row 0 the effective window, row
+1 the head's class (wide or narrow). Each class present is a static ``TilePath`` compiled into
+the same kernel behind a run-time branch, so wide heads can use other tiles than narrow ones,
+all in one launch. The order of programs comes from the plan's schedule (longest first).
 
 Inputs are padded by the caller to a whole number of blocks (sequence) and to a head size the
 matrix units take; the kernel itself never masks loads.
@@ -21,20 +21,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ls_jax.kernels.pallas_gpu_tiles import (LOG2_E, MASKED_SCORE, MAX_FLOOR, ClassPaths, TilePath,
-                                      allowed_QxK, mask_scores, run_band_loop, run_by_class,
-                                      split_kv_loop)
+from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, ClassPaths, TilePath
+from ls_jax.kernels.pallas_gpu.tiles import (LOG2_E, MASKED_SCORE, MAX_FLOOR, allowed_QxK,
+                                             mask_scores, run_band_loop, run_by_class,
+                                             split_kv_loop)
 
 
 class _ForwardProgram:
     """One program's refs and static parameters."""
 
-    def __init__(self, refs, *, b, h, kv_head, window, seq_len, score_scale, sm_scale,
+    def __init__(self, refs, *, b, h, kv_head, window, seq_len, score_scale, scale,
                  has_segments, with_stats):
         (self.q_ref, self.k_ref, self.v_ref, self.segment_ref, self.out_ref, self.lse_ref,
          self.stat_ref) = refs
         self.b, self.h, self.kv_head, self.window = b, h, kv_head, window
-        self.seq_len, self.score_scale, self.sm_scale = seq_len, score_scale, sm_scale
+        self.seq_len, self.score_scale, self.scale = seq_len, score_scale, scale
         self.has_segments, self.with_stats = has_segments, with_stats
 
     def init_state(self, block_q, head_dim):
@@ -81,7 +82,7 @@ class _ForwardProgram:
             self.out_ref.dtype)
         self.lse_ref[b, h, rows] = jnp.maximum(m_Q * self.score_scale, MAX_FLOOR) + jnp.log2(l_Q)
         if self.with_stats:
-            self.stat_ref[b, h, rows] = jnp.maximum(m_Q, -min_Q[0]) * self.sm_scale
+            self.stat_ref[b, h, rows] = jnp.maximum(m_Q, -min_Q[0]) * self.scale
 
     def one_block(self, path: TilePath, q_block):
         """Query block ``q_block``: one loop over exactly the key blocks of its band."""
@@ -100,7 +101,7 @@ class _ForwardProgram:
 
 def _forward_kernel(schedule_ref, head_ref, q_ref, k_ref, v_ref, *refs, paths: ClassPaths,
                     num_slots: int, group: int, seq_len: int, score_scale: float,
-                    sm_scale: float, has_segments: bool, with_stats: bool):
+                    scale: float, has_segments: bool, with_stats: bool):
     segment_ref = None
     if has_segments:
         segment_ref, *refs = refs
@@ -115,46 +116,49 @@ def _forward_kernel(schedule_ref, head_ref, q_ref, k_ref, v_ref, *refs, paths: C
     program = _ForwardProgram(
         (q_ref, k_ref, v_ref, segment_ref, out_ref, lse_ref, stat_ref), b=b, h=h,
         kv_head=jax.lax.div(h, group), window=head_ref[0, h], seq_len=seq_len,
-        score_scale=score_scale, sm_scale=sm_scale, has_segments=has_segments,
+        score_scale=score_scale, scale=scale, has_segments=has_segments,
         with_stats=with_stats)
     run_by_class(head_class, paths, lambda path: program.one_block(path, slot))
 
 
-def flash_forward(schedule, head_table, q, k, v, segment_ids, *, paths: ClassPaths,
-                  num_slots: int, sm_scale: float, with_stats: bool, num_warps: int,
-                  num_stages: int, interpret: bool):
+def forward_call(plan: AttentionPlan, q, k, v, segment_ids):
     """Runs the forward kernel on padded inputs.
 
     Args:
-      schedule: int32 [n_items], program order; item = head * num_slots + q_block (in the
-        block size of the head's class).
-      head_table: int32 [2, Hq]: the window of each head (the padded length for global
-        heads), and its class (``kernels.pallas_gpu_tiles.ClassPaths``).
-      q: [B, Tp, Hq, Dp]; k, v: [B, Tp, Hkv, Dp]; Tp a multiple of every block.
+      plan: the call's ``AttentionPlan``; its forward ``ProgramPlan`` gives the program order
+        (item = head * num_slots + q_block, in the block size of the head's class) and the
+        class of each head.
+      q: [B, Tp, H, Dp]; k, v: [B, Tp, G, Dp]; Tp a multiple of every block.
       segment_ids: None or int32 [B, Tp].
-      paths: the tile path of each head class present.
 
     Returns:
-      out [B, Tp, Hq, Dp] in q.dtype, lse2 float32 [B, Hq, Tp] (log2 domain: natural lse
-      times log2(e)), and with ``with_stats`` float32 [B, Hq, Tp] max |logit| of each row.
+      out [B, Tp, H, Dp] in q.dtype, lse2 float32 [B, H, Tp] (log2 domain: natural lse
+      times log2(e)), and with ``plan.logit_stats`` float32 [B, H, Tp] max |logit| of each row.
     """
-    B, Tp, Hq, Dp = q.shape
-    Hkv = k.shape[2]
+    B, Tp, H, Dp = q.shape
+    G = k.shape[2]
+    programs = plan.query_plan("fwd")
+    c = plan.config
+    # per-head table: row 0 the effective window, row 1 the head's class
+    head_table = jnp.stack([jnp.asarray(plan.window_table(), jnp.int32),
+                            jnp.asarray(programs.head_class)])
+    schedule = jnp.asarray(programs.schedule)
     kernel = functools.partial(
-        _forward_kernel, paths=paths, num_slots=num_slots, group=Hq // Hkv,
-        seq_len=Tp, score_scale=sm_scale * LOG2_E, sm_scale=sm_scale,
-        has_segments=segment_ids is not None, with_stats=with_stats)
+        _forward_kernel, paths=programs.paths, num_slots=programs.num_slots, group=H // G,
+        seq_len=Tp, score_scale=plan.scale * LOG2_E, scale=plan.scale,
+        has_segments=segment_ids is not None, with_stats=plan.logit_stats)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((B, Hq, Tp), jnp.float32)]
-    if with_stats:
-        out_shape.append(jax.ShapeDtypeStruct((B, Hq, Tp), jnp.float32))
+                 jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)]
+    if plan.logit_stats:
+        out_shape.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
     inputs = [schedule, head_table, q, k, v] + ([] if segment_ids is None else [segment_ids])
     outs = pl.pallas_call(
         kernel,
         grid=(B, schedule.shape[0]),
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=c.fwd_num_warps,
+                                             num_stages=c.fwd_num_stages),
+        interpret=plan.interpret,
         name="ls_attention_fwd",
     )(*inputs)
-    return (outs[0], outs[1], outs[2] if with_stats else None)
+    return (outs[0], outs[1], outs[2] if plan.logit_stats else None)

@@ -1,9 +1,9 @@
 """Backward Pallas GPU kernels: dQ, and dK/dV, each skipping the blocks outside the band.
 
 Both recompute the probabilities from the raw scores ``s = q . k`` and the saved log2-domain
-logsumexp ``lse2``: ``p = exp2(s * c - lse2)`` with ``c = sm_scale * log2(e)``; then
+logsumexp ``lse2``: ``p = exp2(s * c - lse2)`` with ``c = scale * log2(e)``; then
 ``dp = dO . V^T``, ``ds = p * (dp - delta)`` with ``delta_i = sum_d O_id dO_id``, and
-``dQ = sm_scale * ds . K``, ``dK = sm_scale * ds^T . Q``, ``dV = p^T . dO``.
+``dQ = scale * ds . K``, ``dK = scale * ds^T . Q``, ``dV = p^T . dO``.
 
 - dQ: one program per (batch, query head, query block), looping over the key blocks of the
   head's band exactly like the forward kernel. By default it also computes ``delta`` from
@@ -13,7 +13,8 @@ logsumexp ``lse2``: ``p = exp2(s * c - lse2)`` with ``c = sm_scale * log2(e)``; 
   (about ceil(p / block_q) + 1 of them for a local head).
 
 Like the forward, each kernel compiles one static tile path per class of head present (wide,
-narrow: ``kernels.pallas_gpu_tiles.ClassPaths``) behind a run-time branch. Both take a schedule table (longest programs first).
+narrow: ``kernels.pallas_gpu.plan.ClassPaths``) behind a run-time branch, and runs its
+programs in the plan's schedule order (longest first).
 """
 
 from __future__ import annotations
@@ -25,18 +26,19 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ls_jax.kernels.pallas_gpu_tiles import (LOG2_E, ClassPaths, TilePath, allowed_KxQ,
-                                      allowed_QxK, mask_scores, run_band_loop, run_by_class,
-                                      split_kv_loop, split_q_loop)
+from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, ClassPaths, TilePath
+from ls_jax.kernels.pallas_gpu.tiles import (LOG2_E, allowed_KxQ, allowed_QxK, mask_scores,
+                                             run_band_loop, run_by_class, split_kv_loop,
+                                             split_q_loop)
 
 
 class _DqProgram:
-    def __init__(self, refs, *, b, h, kv_head, window, seq_len, score_scale, sm_scale,
+    def __init__(self, refs, *, b, h, kv_head, window, seq_len, score_scale, scale,
                  has_segments):
         (self.q_ref, self.k_ref, self.v_ref, self.segment_ref, self.do_ref, self.o_ref,
          self.lse_ref, self.delta_ref, self.dq_ref, self.delta_out_ref) = refs
         self.b, self.h, self.kv_head, self.window = b, h, kv_head, window
-        self.seq_len, self.score_scale, self.sm_scale = seq_len, score_scale, sm_scale
+        self.seq_len, self.score_scale, self.scale = seq_len, score_scale, scale
         self.has_segments = has_segments
 
     def step(self, rows, q_first, j, path: TilePath, masking, dq_QxD):
@@ -77,11 +79,11 @@ class _DqProgram:
         first, lo, hi, end = split_kv_loop(q_block, bq, bk, self.window, self.seq_len)
         dq_QxD = run_band_loop(first, lo, hi, end, tile, jnp.zeros(do_QxD.shape, jnp.float32),
                                "masked" if self.has_segments else path.loop_mode)
-        self.dq_ref[b, rows, h, :] = (dq_QxD * self.sm_scale).astype(self.dq_ref.dtype)
+        self.dq_ref[b, rows, h, :] = (dq_QxD * self.scale).astype(self.dq_ref.dtype)
 
 
 def _dq_kernel(schedule_ref, head_ref, q_ref, k_ref, v_ref, *refs, paths: ClassPaths,
-               num_slots: int, group: int, seq_len: int, score_scale: float, sm_scale: float,
+               num_slots: int, group: int, seq_len: int, score_scale: float, scale: float,
                has_segments: bool, delta_in_kernel: bool):
     segment_ref = o_ref = delta_ref = delta_out_ref = None
     if has_segments:
@@ -97,19 +99,19 @@ def _dq_kernel(schedule_ref, head_ref, q_ref, k_ref, v_ref, *refs, paths: ClassP
     program = _DqProgram(
         (q_ref, k_ref, v_ref, segment_ref, do_ref, o_ref, lse_ref, delta_ref, dq_ref,
          delta_out_ref), b=b, h=h, kv_head=jax.lax.div(h, group), window=head_ref[0, h],
-        seq_len=seq_len, score_scale=score_scale, sm_scale=sm_scale,
+        seq_len=seq_len, score_scale=score_scale, scale=scale,
         has_segments=has_segments)
     slot = jax.lax.rem(item, num_slots)
     run_by_class(head_ref[1, h], paths, lambda path: program.one_block(path, slot))
 
 
 class _DkdvProgram:
-    def __init__(self, refs, *, b, kv_head, group, seq_len, score_scale, sm_scale,
+    def __init__(self, refs, *, b, kv_head, group, seq_len, score_scale, scale,
                  has_segments):
         (self.window_ref, self.q_ref, self.k_ref, self.v_ref, self.segment_ref, self.do_ref,
          self.lse_ref, self.delta_ref, self.dk_ref, self.dv_ref) = refs
         self.b, self.kv_head, self.group = b, kv_head, group
-        self.seq_len, self.score_scale, self.sm_scale = seq_len, score_scale, sm_scale
+        self.seq_len, self.score_scale, self.scale = seq_len, score_scale, scale
         self.has_segments = has_segments
 
     def step(self, kv, k_first, i, h, window, path: TilePath, masking, grads):
@@ -158,14 +160,14 @@ class _DkdvProgram:
         else:
             grads = jax.lax.fori_loop(0, self.group, one_query_head, grads)
         dk_KxD, dv_KxD = grads
-        self.dk_ref[b, cols, self.kv_head, :] = (dk_KxD * self.sm_scale).astype(
+        self.dk_ref[b, cols, self.kv_head, :] = (dk_KxD * self.scale).astype(
             self.dk_ref.dtype)
         self.dv_ref[b, cols, self.kv_head, :] = dv_KxD.astype(self.dv_ref.dtype)
 
 
 def _dkdv_kernel(schedule_ref, window_ref, kv_class_ref, q_ref, k_ref, v_ref, *refs,
                  paths: ClassPaths, num_slots: int, group: int, seq_len: int,
-                 score_scale: float, sm_scale: float, has_segments: bool):
+                 score_scale: float, scale: float, has_segments: bool):
     segment_ref = None
     if has_segments:
         segment_ref, *refs = refs
@@ -177,62 +179,67 @@ def _dkdv_kernel(schedule_ref, window_ref, kv_class_ref, q_ref, k_ref, v_ref, *r
     program = _DkdvProgram(
         (window_ref, q_ref, k_ref, v_ref, segment_ref, do_ref, lse_ref, delta_ref, dk_ref,
          dv_ref), b=b, kv_head=kv_head, group=group, seq_len=seq_len,
-        score_scale=score_scale, sm_scale=sm_scale, has_segments=has_segments)
+        score_scale=score_scale, scale=scale, has_segments=has_segments)
     slot = jax.lax.rem(item, num_slots)
     run_by_class(kv_class_ref[kv_head], paths, lambda path: program.one_block(path, slot))
 
 
-def flash_backward(dq_plan, dkdv_plan, windows, q, k, v, segment_ids, do, out, lse2, *,
-                   sm_scale: float, num_warps: int, num_stages: int, delta_in_kernel: bool,
-                   interpret: bool):
-    """Runs the dQ and dK/dV kernels on padded inputs.
+def _common(plan: AttentionPlan, q, k):
+    return dict(group=q.shape[2] // k.shape[2], seq_len=q.shape[1],
+                score_scale=plan.scale * LOG2_E, scale=plan.scale)
 
-    Args:
-      dq_plan: (schedule int32 [n], class int32 [Hq], ClassPaths, num_slots) of the dQ
-        kernel; items are head * num_slots + q_block as in the forward.
-      dkdv_plan: the same for dK/dV, per kv head: (schedule, class int32 [Hkv], ClassPaths,
-        num_slots), items kv_head * num_slots + k_block.
-      windows: int32 [Hq], the window of each query head (the padded length if global).
-      q, do, out: [B, Tp, Hq, Dp]; k, v: [B, Tp, Hkv, Dp]; lse2: float32 [B, Hq, Tp].
-      delta_in_kernel: the dQ kernel computes ``delta = rowsum(out * do)`` from its tiles
-        (else one XLA reduction does, before the kernels).
 
-    Returns:
-      dq [B, Tp, Hq, Dp], dk and dv [B, Tp, Hkv, Dp], in the input dtypes.
+def _compiler_params(plan: AttentionPlan):
+    return plgpu.CompilerParams(num_warps=plan.config.bwd_num_warps,
+                                num_stages=plan.config.bwd_num_stages)
+
+
+def dq_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
+    """Runs the dQ kernel on padded inputs; returns (dq [B, Tp, H, Dp] in q's dtype, delta
+    float32 [B, H, Tp]).
+
+    q, do, out: [B, Tp, H, Dp]; k, v: [B, Tp, G, Dp]; lse2: float32 [B, H, Tp]. With
+    ``plan.config.delta_in_kernel`` the kernel computes ``delta = rowsum(out * do)`` from its
+    tiles, else one XLA reduction does, before the kernel.
     """
-    B, Tp, Hq, Dp = q.shape
-    Hkv = k.shape[2]
-    has_segments = segment_ids is not None
+    B, Tp, H, Dp = q.shape
+    programs = plan.query_plan("dq")
+    schedule = jnp.asarray(programs.schedule)
+    head_table = jnp.stack([jnp.asarray(plan.window_table(), jnp.int32),
+                            jnp.asarray(programs.head_class)])
     seg = [] if segment_ids is None else [segment_ids]
-    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    common = dict(group=Hq // Hkv, seq_len=Tp, score_scale=sm_scale * LOG2_E,
-                  sm_scale=sm_scale, has_segments=has_segments)
-
-    schedule, classes, paths, num_slots = dq_plan
-    dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    dq_call = functools.partial(
+    delta_in_kernel = plan.config.delta_in_kernel
+    call = functools.partial(
         pl.pallas_call,
-        functools.partial(_dq_kernel, paths=paths, num_slots=num_slots,
-                          delta_in_kernel=delta_in_kernel, **common),
-        grid=(B, schedule.shape[0]), compiler_params=params, interpret=interpret,
-        name="ls_attention_bwd_dq")
-    dq_inputs = (schedule, jnp.stack([windows, classes]), q, k, v, *seg, do)
+        functools.partial(_dq_kernel, paths=programs.paths, num_slots=programs.num_slots,
+                          delta_in_kernel=delta_in_kernel, has_segments=segment_ids is not None,
+                          **_common(plan, q, k)),
+        grid=(B, schedule.shape[0]), compiler_params=_compiler_params(plan),
+        interpret=plan.interpret, name="ls_attention_bwd_dq")
+    inputs = (schedule, head_table, q, k, v, *seg, do)
+    dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     if delta_in_kernel:
-        dq, delta = dq_call(out_shape=[dq_shape, jax.ShapeDtypeStruct((B, Hq, Tp),
-                                                                      jnp.float32)])(
-            *dq_inputs, out, lse2)
-    else:
-        delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
-        dq = dq_call(out_shape=dq_shape)(*dq_inputs, lse2, delta)
+        return call(out_shape=[dq_shape, jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)])(
+            *inputs, out, lse2)
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
+    return call(out_shape=dq_shape)(*inputs, lse2, delta), delta
 
-    schedule, classes, paths, num_slots = dkdv_plan
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, paths=paths, num_slots=num_slots, **common),
+
+def dkdv_call(plan: AttentionPlan, q, k, v, segment_ids, do, lse2, delta):
+    """Runs the dK/dV kernel on padded inputs; returns dk and dv [B, Tp, G, Dp] in k's dtype,
+    summed over each kv head's query heads. delta: float32 [B, H, Tp] from ``dq_call``."""
+    B = q.shape[0]
+    programs = plan.key_plan()
+    schedule = jnp.asarray(programs.schedule)
+    seg = [] if segment_ids is None else [segment_ids]
+    return pl.pallas_call(
+        functools.partial(_dkdv_kernel, paths=programs.paths, num_slots=programs.num_slots,
+                          has_segments=segment_ids is not None, **_common(plan, q, k)),
         grid=(B, schedule.shape[0]),
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                    jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=params,
-        interpret=interpret,
+        compiler_params=_compiler_params(plan),
+        interpret=plan.interpret,
         name="ls_attention_bwd_dkdv",
-    )(schedule, windows, classes, q, k, v, *seg, do, lse2, delta)
-    return dq, dk, dv
+    )(schedule, jnp.asarray(plan.window_table(), jnp.int32), jnp.asarray(programs.head_class),
+      q, k, v, *seg, do, lse2, delta)

@@ -1,0 +1,273 @@
+"""The static plan of a Pallas GPU attention call: tiles, head classes, program schedules.
+
+Same style as ``kernels/pallas_tpu/plan.py``: a frozen ``AttentionPlan`` holds everything
+static about one call (padded geometry, effective windows, scale, tile configuration) and is
+built by ``make_plan``; per-kernel schedules are cached functions of it.
+
+Heads come in two classes, each kernel compiling one tile path (``TilePath``) per class
+present: "wide" heads (window >= ``KernelConfig.wide_window``; 0 means the padded length, i.e.
+the global heads) and "narrow" heads. Programs run in schedule order, longest first, so long
+global-head programs do not straggle behind a tail of short local ones. Which key (query)
+blocks a program visits comes from ``kernels.band``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+from ls_jax.kernels.band import (WindowSizes, cdiv, effective_windows, is_global,
+                                 kv_block_range, q_block_range)
+
+LOOP_MODES = ("split", "cond", "masked")
+
+_BLOCK_FIELDS = ("fwd_block_q", "fwd_block_k", "dq_block_q", "dq_block_k", "dkdv_block_q",
+                 "dkdv_block_k")
+_WIDE_BLOCK_FIELDS = tuple("wide_" + name for name in _BLOCK_FIELDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class TilePath:
+    """Static description of how one class of programs walks its tiles: the tile
+    block_q x block_k, and how boundary tiles get their mask (one of ``LOOP_MODES``)."""
+
+    block_q: int
+    block_k: int
+    loop_mode: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassPaths:
+    """The tile paths one kernel compiles, one per class of head present (None: absent).
+
+    A head's class is an int from a small table: 0 wide (``wide``), 1 narrow (``narrow``).
+    """
+
+    wide: TilePath | None = None
+    narrow: TilePath | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes (powers of two >= 16) and Triton launch parameters of the three kernels.
+
+    "wide" heads use the ``wide_*`` tiles (0: the same as the narrow ones); "narrow" heads use
+    ``fwd_block_q/k`` (forward), ``dq_*`` (dQ) and ``dkdv_*`` (dK/dV). For the dK/dV kernel a
+    kv head is wide when all its query heads are. Blocks larger than the (power-of-two
+    rounded) sequence are shrunk to it. fwd_loop and bwd_loop: how the boundary tiles get
+    their mask (``LOOP_MODES``, see ``kernels.pallas_gpu.tiles.run_band_loop``); wide_fwd_loop:
+    the same for the wide forward path ("": as fwd_loop).
+    delta_in_kernel: the dQ kernel computes ``delta = rowsum(O * dO)`` (else an XLA pass).
+    """
+
+    fwd_block_q: int = 64
+    fwd_block_k: int = 64
+    dq_block_q: int = 64
+    dq_block_k: int = 32
+    dkdv_block_q: int = 32
+    dkdv_block_k: int = 64
+    fwd_num_warps: int = 4
+    fwd_num_stages: int = 3
+    bwd_num_warps: int = 4
+    bwd_num_stages: int = 3
+    fwd_loop: str = "cond"
+    bwd_loop: str = "cond"
+    wide_fwd_block_q: int = 0
+    wide_fwd_block_k: int = 0
+    wide_dq_block_q: int = 0
+    wide_dq_block_k: int = 0
+    wide_dkdv_block_q: int = 0
+    wide_dkdv_block_k: int = 0
+    wide_window: int = 0
+    wide_fwd_loop: str = ""
+    delta_in_kernel: bool = True
+
+    def blocks(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in _BLOCK_FIELDS + _WIDE_BLOCK_FIELDS
+                     if getattr(self, name))
+
+    def validate(self):
+        for name in _BLOCK_FIELDS + _WIDE_BLOCK_FIELDS:
+            value = getattr(self, name)
+            if name.startswith("wide_") and value == 0:
+                continue
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(
+                    f"config.{name}: expected a power of two >= 16"
+                    f"{' (or 0)' if name.startswith('wide_') else ''}, got {value!r}")
+        if not isinstance(self.wide_window, int) or self.wide_window < 0:
+            raise ValueError(f"config.wide_window: expected an int >= 0, got "
+                             f"{self.wide_window!r}")
+        if self.wide_fwd_loop not in ("",) + LOOP_MODES:
+            raise ValueError(f"config.wide_fwd_loop: expected '' or one of {LOOP_MODES}, got "
+                             f"{self.wide_fwd_loop!r}")
+        for name in ("fwd_loop", "bwd_loop"):
+            if getattr(self, name) not in LOOP_MODES:
+                raise ValueError(f"config.{name}: expected one of {LOOP_MODES}, got "
+                                 f"{getattr(self, name)!r}")
+
+    def fit_to(self, seq_len: int) -> "KernelConfig":
+        """Shrinks every block to at most the sequence rounded up to a power of two."""
+        cap = max(16, 1 << max(seq_len - 1, 0).bit_length())
+        return dataclasses.replace(self, **{
+            name: min(getattr(self, name), cap) for name in _BLOCK_FIELDS + _WIDE_BLOCK_FIELDS})
+
+    def paths(self, kernel: str) -> tuple[TilePath, TilePath]:
+        """(narrow, wide) tile paths of one kernel: "fwd", "dq" or "dkdv"."""
+        bq, bk = getattr(self, f"{kernel}_block_q"), getattr(self, f"{kernel}_block_k")
+        loop = self.fwd_loop if kernel == "fwd" else self.bwd_loop
+        narrow = TilePath(bq, bk, loop)
+        wide_loop = (self.wide_fwd_loop or loop) if kernel == "fwd" else loop
+        wide = TilePath(getattr(self, f"wide_{kernel}_block_q") or bq,
+                        getattr(self, f"wide_{kernel}_block_k") or bk, wide_loop)
+        return narrow, wide
+
+
+def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None = None
+                   ) -> KernelConfig:
+    """Tuned defaults (H200 measurements, docs/kernel-notes.md).
+
+    Small tiles suit local heads (less work outside a narrow band, short loops). When every
+    head is global all three kernels use longer tiles (128 query rows in the forward and dQ,
+    128 keys in dK/dV). A single global head among local ones keeps the small tiles: its
+    longest program (the last query block, a whole row of key blocks) is the critical path
+    of the launch, and longer tiles make it longer (measured, kernel-notes.md).
+    """
+    if jnp.dtype(dtype) == jnp.float32:  # fp32 dots: small tiles, fewer stages
+        return KernelConfig(fwd_block_q=64, fwd_block_k=32, dq_block_q=64, dq_block_k=32,
+                            dkdv_block_q=32, dkdv_block_k=64, fwd_num_stages=2,
+                            bwd_num_stages=2)
+    config = KernelConfig()
+    all_global = window_sizes is not None and all(
+        p is None or (seq_len is not None and is_global(p, seq_len)) for p in window_sizes)
+    if all_global:  # split: 1.4% faster than cond on all-global fwd, twice (kernel-notes)
+        config = dataclasses.replace(config, wide_fwd_block_q=128, wide_dq_block_q=128,
+                                     wide_dkdv_block_k=128, wide_fwd_loop="split")
+    if head_dim > 64:
+        config = dataclasses.replace(config, fwd_num_warps=8, bwd_num_warps=8)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Program schedules: which heads take which tile path, and the order in which programs run.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProgramPlan:
+    """The programs of one kernel.
+
+    schedule: int32 [n_items], program order (most work first); item = head * num_slots +
+      block (query block for forward / dQ, key block for dK/dV, in the block size of the
+      head's class). head_class: int32 [heads] (0 wide, 1 narrow; per kv head for dK/dV).
+    """
+
+    schedule: np.ndarray
+    head_class: np.ndarray
+    paths: ClassPaths
+    num_slots: int
+
+
+def _program_plan(head_windows, seq_len: int, narrow: TilePath, wide: TilePath,
+                  wide_threshold: int, per_key_block: bool) -> ProgramPlan:
+    """Plan of one kernel over "heads" (query heads; for dK/dV, kv heads with the windows
+    of their query heads). A head is wide (class 0) when its narrowest window is >=
+    ``wide_threshold``, else narrow (class 1); when the two paths are the same, every head is
+    class 0 (one path compiled)."""
+    classes = [0 if narrow == wide or min(ws) >= wide_threshold else 1 for ws in head_windows]
+    paths = ClassPaths(wide=wide if 0 in classes else None,
+                       narrow=narrow if 1 in classes else None)
+    num_slots = max(seq_len // (p.block_k if per_key_block else p.block_q)
+                    for p in (paths.wide, paths.narrow) if p is not None)
+    block_range = q_block_range if per_key_block else kv_block_range
+    items, costs = [], []
+    for h, (ws, cls) in enumerate(zip(head_windows, classes)):
+        path = narrow if cls else wide
+        bq, bk = path.block_q, path.block_k
+        for i in range(seq_len // (bk if per_key_block else bq)):
+            visits = sum(np.subtract(*block_range(i, bq, bk, w, seq_len)[::-1]) for w in ws)
+            items.append(h * num_slots + i)
+            costs.append(int(visits) * bq * bk)  # work, comparable across tile shapes
+    order = np.argsort(-np.asarray(costs), kind="stable")
+    return ProgramPlan(np.asarray(items, np.int32)[order], np.asarray(classes, np.int32), paths,
+                       num_slots)
+
+
+@functools.lru_cache(maxsize=256)
+def query_plan(windows: tuple[int, ...], seq_len: int, narrow: TilePath, wide: TilePath,
+               wide_threshold: int) -> ProgramPlan:
+    """Plan of the forward or dQ kernel over query heads (effective windows)."""
+    return _program_plan([(w,) for w in windows], seq_len, narrow, wide, wide_threshold, False)
+
+
+@functools.lru_cache(maxsize=256)
+def key_plan(windows: tuple[int, ...], num_kv_heads: int, seq_len: int, narrow: TilePath,
+             wide: TilePath, wide_threshold: int) -> ProgramPlan:
+    """Plan of the dK/dV kernel: as ``query_plan`` over kv heads, items
+    ``kv_head * num_slots + key block``; work summed over each GQA group."""
+    group = len(windows) // num_kv_heads
+    return _program_plan([windows[g * group:(g + 1) * group] for g in range(num_kv_heads)],
+                         seq_len, narrow, wide, wide_threshold, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan of one call.
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """Everything static about one call (hashable: the ``jax.custom_vjp`` static argument).
+
+    Sequences are padded to ``seq_len_padded`` (a multiple of every block) and the head
+    dimension to ``head_dim_padded`` (a power of two >= 16) with zeros; padding keys are never
+    visible to real queries, padding queries are sliced away.
+    """
+
+    seq_len: int
+    seq_len_padded: int
+    head_dim: int
+    head_dim_padded: int
+    windows: WindowSizes  # per query head: int >= 1 (local) or None (global)
+    num_kv_heads: int
+    scale: float
+    config: KernelConfig
+    logit_stats: bool
+    interpret: bool
+
+    @property
+    def wide_threshold(self) -> int:
+        return self.config.wide_window or self.seq_len_padded
+
+    def window_table(self) -> tuple[int, ...]:
+        """Each query head's effective window over the padded length."""
+        return effective_windows(self.windows, self.seq_len_padded)
+
+    def query_plan(self, kernel: str) -> ProgramPlan:
+        """Programs of the forward ("fwd") or dQ ("dq") kernel."""
+        narrow, wide = self.config.paths(kernel)
+        return query_plan(self.window_table(), self.seq_len_padded, narrow, wide,
+                          self.wide_threshold)
+
+    def key_plan(self) -> ProgramPlan:
+        """Programs of the dK/dV kernel."""
+        narrow, wide = self.config.paths("dkdv")
+        return key_plan(self.window_table(), self.num_kv_heads, self.seq_len_padded, narrow,
+                        wide, self.wide_threshold)
+
+
+def make_plan(*, seq_len: int, head_dim: int, windows: WindowSizes, num_kv_heads: int,
+              dtype, scale: float, config: KernelConfig | None, logit_stats: bool,
+              interpret: bool) -> AttentionPlan:
+    """Validates ``config`` (default: ``default_config``), fits it to the sequence, pads."""
+    if config is None:
+        config = default_config(dtype, head_dim, windows, seq_len)
+    config.validate()
+    config = config.fit_to(seq_len)
+    seq_len_padded = cdiv(seq_len, max(config.blocks())) * max(config.blocks())
+    return AttentionPlan(
+        seq_len=seq_len, seq_len_padded=seq_len_padded, head_dim=head_dim,
+        head_dim_padded=max(16, 1 << (head_dim - 1).bit_length()),
+        windows=tuple(windows), num_kv_heads=num_kv_heads, scale=float(scale),
+        config=config, logit_stats=bool(logit_stats), interpret=bool(interpret))

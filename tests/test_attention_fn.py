@@ -1,5 +1,5 @@
 """make_attention_fn inside Flax's own attention layers (NNX and Linen), against a masked softmax
-written out here, plus the window conventions of jax.nn and flash-attention (README table)."""
+written out here. (Our window against jax.nn's local_window_size: tests/test_reference.py.)"""
 
 import flax.linen as nn
 import jax
@@ -9,7 +9,6 @@ import pytest
 from flax import nnx
 
 from ls_jax.attention_fn import make_attention_fn
-from ls_jax.kernels import ls_attention
 
 T, HEADS, HEAD_DIM = 10, 4, 8
 FEATURES = HEADS * HEAD_DIM
@@ -128,13 +127,3 @@ def test_refuses_what_it_cannot_honour():
         make_attention_fn((None, 3))(q, k, v)
     with pytest.raises(ValueError, match=r"window_sizes: expected a tuple with one entry per query head"):
         make_attention_fn(51)
-
-
-@pytest.mark.parametrize("p", [1, 4])
-def test_window_conventions_table(p):
-    """README: our window p == jax.nn local_window_size=(p-1, 0) == flash-attn (p-1, 0)."""
-    q, k, v = qkv()
-    ours = ls_attention(q, k, v, (p,) * HEADS, implementation="reference")
-    theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(p - 1, 0))
-    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(ours, masked_softmax_attention(q, k, v, (p,) * HEADS), rtol=1e-5, atol=1e-5)

@@ -10,12 +10,17 @@ import logging
 import sys
 import warnings
 
-from ls_jax.checkpoint import CheckpointError
 from ls_jax.configs import get_config
-from ls_jax.evaluate import evaluate_checkpoint
-from ls_jax.rundir import WorkdirLocked
-from ls_jax.sharding import maybe_initialize_distributed
-from ls_jax.train import TrainingDiverged, train
+
+try:
+    from ls_jax.checkpoint import CheckpointError
+    from ls_jax.evaluate import evaluate_checkpoint
+    from ls_jax.rundir import WorkdirLocked
+    from ls_jax.sharding import maybe_initialize_distributed
+    from ls_jax.train import TrainingDiverged, train
+except ModuleNotFoundError as e:  # a core-only install: `pip install ls-jax` without [train]
+    raise SystemExit(f"error: training and evaluation need the [train] extra (missing module "
+                     f"{e.name!r}): pip install 'ls-jax[train]'") from e
 
 # Errors a user can cause or fix (bad input, a locked or damaged run directory, a full disk, a
 # diverged run): one line on stderr and a non-zero exit; anything else is a bug (traceback).
@@ -99,13 +104,17 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=None, help="JSON output path")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error instead of one line")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="config overrides that leave the model alone: data.* (e.g. a moved "
+                             "data.data_dir or data.tokenizer path) and train.*; model.* is refused")
     args = parser.parse_args(argv)
     if not args.debug:
         quiet_library_tracebacks()
     try:
         result = evaluate_checkpoint(args.checkpoint, step=args.step, split=args.split,
                                      seq_len=args.seq_len, max_batches=args.max_batches,
-                                     batch_size=args.batch_size, output=args.output)
+                                     batch_size=args.batch_size, output=args.output,
+                                     overrides=args.overrides)
     except EXPECTED_ERRORS as e:
         if args.debug:
             raise

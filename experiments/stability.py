@@ -32,7 +32,7 @@ from ls_jax.train import TrainingDiverged, train
 from experiments.stability_report import write_report
 from experiments.variants import VARIANTS, config_name
 
-# The paper's model (6L, 6 heads x 32, d=192, 1 global + 5 local, p=50, bf16) and optimizer
+# The paper's model (6L, 6 heads x 32, d=192, 1 global + 5 local, p=51, bf16) and optimizer
 # (AdamW betas .9/.95, wd .1, clip 1, warmup + cosine) come from the named configs; the gpu
 # presets stress them to show within minutes what the paper saw after 20-30k steps: a 5x higher
 # peak lr (3e-3), a short warmup, and byte-level text (the densest short-range dependencies).

@@ -96,23 +96,12 @@ class LSAttention(nnx.Module):
         q_BxTxHxD = self.q_proj(x_BxTxM).reshape(B, T, self.n_head, self.head_dim)
         k_BxTxGxD = self.k_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
         v_BxTxGxD = self.v_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
-        if self.q_norm is not None:
-            q_BxTxHxD = self.q_norm(q_BxTxHxD).astype(self.dtype)
-            k_BxTxGxD = self.k_norm(k_BxTxGxD).astype(self.dtype)
-        if self.rope_theta is not None:
-            if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-            q_BxTxHxD = apply_rope(q_BxTxHxD, positions, self.rope_theta)
-            k_BxTxGxD = apply_rope(k_BxTxGxD, positions, self.rope_theta)
-        # one kernel call per shard when a mesh is set (jax.set_mesh); otherwise ls_attention
-        result = ls_attention_sharded(
-            q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, self.window_sizes, segment_ids=segment_ids,
-            return_logit_stats=return_logit_stats, implementation=self.implementation)
-        out_BxTxHxD = result[0] if return_logit_stats else result
-        y_BxTxM = self.o_proj(out_BxTxHxD.reshape(B, T, self.n_head * self.head_dim))
-        if return_logit_stats:
-            return y_BxTxM, result[1].max_abs_logit
-        return y_BxTxM
+        return attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, self.o_proj, self.window_sizes,
+                      q_norm=self.q_norm, k_norm=self.k_norm, rope_theta=self.rope_theta,
+                      dtype=self.dtype, implementation=self.implementation,
+                      positions=positions, segment_ids=segment_ids,
+                      return_logit_stats=return_logit_stats)
+
 
     # -- decoding with a KV cache (ls_jax/kv_cache.py, ls_jax/generate.py) ----------------------
 
@@ -198,3 +187,30 @@ class LSAttention(nnx.Module):
             out_BxCxHxD = heads(out_sorted, layout.q_inverse).astype(q_BxCxHxD.dtype)
         y_BxCxM = self.o_proj(out_BxCxHxD.reshape(B, C, self.n_head * self.head_dim))
         return y_BxCxM, LayerCache(k_global, v_global, k_local, v_local)
+
+
+def attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, o_proj, window_sizes, *, q_norm, k_norm, rope_theta,
+           dtype, implementation, positions=None, segment_ids=None, return_logit_stats=False):
+    """The layer after the q/k/v projections: QK-norm, RoPE, ``ls_attention``, ``o_proj``.
+
+    Shared by this NNX layer and the Linen one (ls_jax/linen.py); ``q_norm``/``k_norm``/``o_proj``
+    are callables of either library (``q_norm`` None: no QK-norm).
+    """
+    B, T, H, D = q_BxTxHxD.shape
+    if q_norm is not None:
+        q_BxTxHxD = q_norm(q_BxTxHxD).astype(dtype)
+        k_BxTxGxD = k_norm(k_BxTxGxD).astype(dtype)
+    if rope_theta is not None:
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+        q_BxTxHxD = apply_rope(q_BxTxHxD, positions, rope_theta)
+        k_BxTxGxD = apply_rope(k_BxTxGxD, positions, rope_theta)
+    # one kernel call per shard when a mesh is set (jax.set_mesh); otherwise ls_attention
+    result = ls_attention_sharded(
+        q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, window_sizes, segment_ids=segment_ids,
+        return_logit_stats=return_logit_stats, implementation=implementation)
+    out_BxTxHxD = result[0] if return_logit_stats else result
+    y_BxTxM = o_proj(out_BxTxHxD.reshape(B, T, H * D))
+    if return_logit_stats:
+        return y_BxTxM, result[1].max_abs_logit
+    return y_BxTxM

@@ -133,9 +133,14 @@ class Checkpointer:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     # -- restoring ----------------------------------------------------------------------------
-    def restore(self, step: int | None, abstract_state: Any, data_iterator: Any | None = None):
+    def restore(self, step: int | None, abstract_state: Any, data_iterator: Any | None = None,
+                *, partial: bool = False):
         """Restores ``state`` (and the iterator in place) at ``step`` (None: the latest) and
-        verifies it; a damaged step raises ``CheckpointError``."""
+        verifies it; a damaged step raises ``CheckpointError``.
+
+        partial: ``abstract_state`` names a part of the saved state (a subset of its keys); only
+        that part is read from disk (and verified).
+        """
         steps = self.all_steps()
         if not steps:
             raise CheckpointError(
@@ -148,7 +153,12 @@ class Checkpointer:
                 f"checkpoint: expected a step in {steps} for {self.directory}, got {step}")
         step_dir = os.path.join(self.directory, str(step))
         has_checksums = os.path.isdir(os.path.join(step_dir, "checksums"))
-        items = {"state": ocp.args.StandardRestore(abstract_state)}
+        if partial:
+            items = {"state": ocp.args.PyTreeRestore(
+                item=abstract_state, partial_restore=True,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))}
+        else:
+            items = {"state": ocp.args.StandardRestore(abstract_state)}
         if has_checksums:
             items["checksums"] = ocp.args.JsonRestore()
         if data_iterator is not None:
@@ -164,8 +174,8 @@ class Checkpointer:
         sums, non_finite = state_checksums(state)
         if has_checksums:
             expected = dict(restored["checksums"])
-            bad = [p for p in expected if sums.get(p) != expected[p]]
-            if bad or set(sums) != set(expected):
+            bad = [p for p in sums if expected.get(p) != sums[p]]
+            if bad or (not partial and set(sums) != set(expected)):
                 raise CheckpointError(
                     f"checkpoint: step {step} in {self.directory} is damaged: checksum mismatch "
                     f"in {len(bad)} array(s), first {bad[:1]}")

@@ -175,9 +175,11 @@ class TrainConfig:
     keep_checkpoints: int = 3
     async_checkpoints: bool = True
     progress: bool = True
+    profile_steps: str | None = None  # "a:b": JAX profiler trace of steps a..b (inclusive)
 
     def __post_init__(self):
         s = "train"
+        _ = self.profile_range  # raises on a malformed profile_steps
         for key in ("batch_size", "grad_accum_steps", "num_steps", "log_every", "eval_batches",
                     "save_every", "keep_checkpoints"):
             _check_positive_int(s, key, getattr(self, key))
@@ -198,6 +200,21 @@ class TrainConfig:
         _check_float(s, "weight_decay", self.weight_decay, lo=0)
         _check_float(s, "grad_clip", self.grad_clip, lo=0)
         _check_float(s, "z_loss", self.z_loss, lo=0)
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """(first, last) step of ``profile_steps`` (1-based, inclusive), or None."""
+        if self.profile_steps is None:
+            return None
+        first, sep, last = str(self.profile_steps).partition(":")
+        try:
+            a, b = int(first), int(last)
+        except ValueError:
+            a = b = 0
+        if not sep or not 1 <= a <= b:
+            _fail("train", "profile_steps", "'a:b' with 1 <= a <= b (steps to trace)",
+                  self.profile_steps)
+        return a, b
 
 
 @dataclasses.dataclass(frozen=True)

@@ -118,18 +118,38 @@ def evaluate_model(model: nnx.Module, cfg: Config, *, split: str | None = None,
     }
 
 
+# model.* keys evaluation may override: they choose how, not what, the model computes
+EVAL_MODEL_KEYS = ("model.attn_implementation",)
+
+
+def eval_config(cfg: Config, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The run's config with evaluation-time ``section.key=value`` overrides (``data.*``, e.g. a
+    moved ``data.data_dir`` or tokenizer path, and ``train.*``). ``model.*`` is refused: the
+    checkpoint's parameters fix the model."""
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key.startswith("model.") and key not in EVAL_MODEL_KEYS:
+            raise ValueError(
+                f"override: expected data.*, train.* or {', '.join(EVAL_MODEL_KEYS)} at "
+                f"evaluation (the checkpoint fixes the model), got {item!r}")
+    return cfg.override(list(overrides))
+
+
 def evaluate_checkpoint(workdir: str, *, step: int | None = None, split: str | None = None,
                         seq_len: int | None = None, max_batches: int | None = None,
-                        batch_size: int | None = None, output: str | None = None) -> dict[str, Any]:
-    """Restores ``step`` (default: latest) of the run in ``workdir`` and evaluates it.
+                        batch_size: int | None = None, output: str | None = None,
+                        overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """Restores the parameters of ``step`` (default: latest) of the run in ``workdir`` (not the
+    optimizer state) and evaluates them, with ``eval_config`` overrides applied.
 
     Writes the result as JSON to ``output`` (default ``RunDir.eval_path``:
     ``<workdir>/eval_step<step>_<split>_T<seq_len>.json``). If that cannot be written, the
     result has ``output=None`` and ``output_error`` says why.
     """
     run = RunDir(workdir)
-    cfg, step, model = restore_model(run, step)
+    cfg, step, model = restore_model(run, step, eval_config(run.load_config(), overrides))
     result = {"workdir": os.path.abspath(workdir), "step": step, "config": cfg.name,
+              "overrides": list(overrides),
               **evaluate_model(model, cfg, split=split, seq_len=seq_len, max_batches=max_batches,
                                batch_size=batch_size)}
     output = output or run.eval_path(step, result["split"], result["seq_len"])

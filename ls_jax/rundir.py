@@ -7,6 +7,7 @@ Layout of ``<workdir>`` (``train.py --workdir``, ``eval.py --checkpoint``)::
     metrics.jsonl                     one JSON record per logged step (see ls_jax.metrics)
     metrics.jsonl.old                 the log of an earlier run that was started over
     tensorboard/                      the same numbers as TensorBoard event files
+    tensorboard/plugins/profile/      JAX profiler traces of train.profile_steps (ls_jax.profiler)
     eval_step<S>_<split>_T<T>.json    eval.py's results
     status.json                       the state of a run driven by an experiment
     .lock                             held (flock) by the training run using the directory
@@ -38,7 +39,7 @@ DAMAGED_SUBDIR = "damaged_checkpoints"
 # be extended; with train.decay_steps=None the decay follows it, which its log line says.)
 NON_IDENTITY_FIELDS = {
     "train": ("num_steps", "log_every", "eval_every", "eval_batches", "save_every",
-              "keep_checkpoints", "async_checkpoints", "progress"),
+              "keep_checkpoints", "async_checkpoints", "progress", "profile_steps"),
 }
 
 

@@ -15,43 +15,12 @@ _DTYPES = ("bfloat16", "float32")
 
 
 def load_model(workdir: str, step: int | None = None):
-    """(model, Config, step) of the run in ``workdir``: the model's parameters only (orbax
-    partial restore of the saved (model, optimizer) state; the optimizer state stays on disk)."""
-    import jax
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
-    from flax import nnx
-
-    from ls_jax.checkpoint import CheckpointError, Checkpointer
-    from ls_jax.model import Transformer
+    """(model, Config, step) of the run in ``workdir``: the model's parameters only (the
+    optimizer state stays on disk; ``ls_jax.state.restore_model``)."""
     from ls_jax.rundir import RunDir
-    from ls_jax.state import abstract_train_state
+    from ls_jax.state import restore_model
 
-    run = RunDir(workdir)
-    cfg = run.load_config()
-    ckpt = Checkpointer(run, create=False)  # a clear error when the directory is missing
-    steps = ckpt.all_steps()
-    ckpt.close()
-    if not steps:
-        raise CheckpointError(f"checkpoint: no finished checkpoint in {run.checkpoint_dir}")
-    step = steps[-1] if step is None else step
-    if step not in steps:
-        raise CheckpointError(f"--step: expected one of {steps}, got {step}")
-    _, abstract = abstract_train_state(cfg)
-    item = {0: abstract[0]}  # state = (model, optimizer): key 0 is the model
-    manager = ocp.CheckpointManager(run.checkpoint_dir,
-                                    options=ocp.CheckpointManagerOptions(create=False))
-    try:
-        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-            partial_restore=True)))
-    except Exception as e:  # orbax raises many types for damaged directories
-        raise CheckpointError(f"checkpoint: step {step} in {run.checkpoint_dir} could not "
-                              f"be restored: {type(e).__name__}: {e}") from e
-    finally:
-        manager.close()
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))
-    model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, restored["state"][0]))
+    cfg, step, model = restore_model(RunDir(workdir), step)
     return model, cfg, step
 
 

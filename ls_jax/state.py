@@ -32,16 +32,27 @@ def abstract_train_state(cfg: Config):
         return nnx.split(nnx.eval_shape(lambda: create_model_and_optimizer(cfg)))
 
 
-def restore_model(run: RunDir, step: int | None = None) -> tuple[Config, int, Transformer]:
-    """(config, step, model) of checkpoint ``step`` (None: the latest) of a training run."""
-    # placed data parallel on the devices here, whatever mesh the run trained on
-    cfg = dataclasses.replace(run.load_config(), mesh=MeshConfig())
-    ckpt = Checkpointer(run, create=False)
-    graphdef, abstract = abstract_train_state(cfg)
+# A checkpoint holds nnx.state((model, optimizer)): the model's part is under this key.
+MODEL_KEY = 0
+
+
+def restore_model(run: RunDir, step: int | None = None,
+                  cfg: Config | None = None) -> tuple[Config, int, Transformer]:
+    """(config, step, model) of checkpoint ``step`` (None: the latest) of a training run.
+
+    Reads only the model's parameters (the optimizer state stays on disk), placed data
+    parallel on the devices here, whatever mesh the run trained on. ``cfg``: the config to
+    build the model from (default: the run's ``config.json``); its model section must be the
+    run's.
+    """
+    cfg = dataclasses.replace(run.load_config() if cfg is None else cfg, mesh=MeshConfig())
+    graphdef, abstract = nnx.split(nnx.eval_shape(
+        lambda: Transformer(cfg.model, rngs=nnx.Rngs(params=cfg.train.seed))))
     mesh = sharding_lib.make_mesh(cfg.mesh)
     abstract = sharding_lib.with_shardings(abstract, sharding_lib.state_shardings(abstract, mesh))
+    ckpt = Checkpointer(run, create=False)
     try:
-        step, state = ckpt.restore(step, abstract)
+        step, state = ckpt.restore(step, nnx.State({MODEL_KEY: abstract}), partial=True)
     finally:
         ckpt.close()
-    return cfg, step, nnx.merge(graphdef, state)[0]
+    return cfg, step, nnx.merge(graphdef, state[MODEL_KEY])

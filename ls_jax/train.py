@@ -31,6 +31,7 @@ from ls_jax.loss import lm_loss
 from ls_jax.metrics import MetricsWriter, logit_norm_summary
 from ls_jax.model import count_params
 from ls_jax.optimizer import learning_rate_schedule
+from ls_jax.profiler import StepProfiler
 from ls_jax.rundir import RunDir
 from ls_jax.sources import load_split
 from ls_jax.state import abstract_train_state, create_model_and_optimizer
@@ -137,6 +138,7 @@ def _train(cfg: Config, mesh, workdir: str, stop_after_steps, stop_at_time, log)
         ckpt = Checkpointer(run, keep=cfg.train.keep_checkpoints,
                             async_save=cfg.train.async_checkpoints)
         step_log = None
+        profiler = StepProfiler(cfg.train.profile_range, run.tensorboard_dir, log)
         try:
             fns = compile_train_fns(cfg, mesh)
             graphdef, state, start_step = _restore_or_init(cfg, mesh, fns, ckpt, data_iter, log)
@@ -145,7 +147,8 @@ def _train(cfg: Config, mesh, workdir: str, stop_after_steps, stop_at_time, log)
             step_log = _StepLog(cfg, run, start_step, log, enabled=is_main)
             with _Stopper(stop_after_steps, stop_at_time) as stopper:
                 state, final_step, interrupted = _step_loop(
-                    cfg, mesh, fns, state, start_step, data_iter, ckpt, step_log, stopper, log)
+                    cfg, mesh, fns, state, start_step, data_iter, ckpt, step_log, stopper,
+                    profiler, log)
             eval_metrics = None
             if final_step == cfg.train.num_steps and not interrupted and step_log.finished_before():
                 log(f"the run already finished at step {final_step} (its final eval is in "
@@ -153,6 +156,7 @@ def _train(cfg: Config, mesh, workdir: str, stop_after_steps, stop_at_time, log)
             elif final_step == cfg.train.num_steps and not interrupted:
                 eval_metrics = _final_eval(cfg, graphdef, state, final_step, step_log, log)
         finally:
+            profiler.close()
             if step_log is not None:
                 step_log.close()
             ckpt.close()
@@ -257,15 +261,18 @@ def _restore_or_init(cfg: Config, mesh, fns: TrainFns, ckpt: Checkpointer, data_
 
 
 def _step_loop(cfg: Config, mesh, fns: TrainFns, state, start_step: int, data_iter,
-               ckpt: Checkpointer, step_log: "_StepLog", stopper: "_Stopper", log):
+               ckpt: Checkpointer, step_log: "_StepLog", stopper: "_Stopper",
+               profiler: StepProfiler, log):
     """Runs steps until num_steps or a stop; returns (state, final step, interrupted)."""
     tcfg = cfg.train
     graphdef, data_sharding = fns.graphdef, sharding_lib.batch_sharding(mesh)
     step, why_stop = start_step, None
     while step < tcfg.num_steps and why_stop is None:
         batch = sharding_lib.global_batch(next(data_iter), data_sharding)
+        profiler.before_step(step + 1)
         state, dev_metrics = fns.steps[step_log.logs(step + 1)](state, batch)
         step += 1
+        profiler.after_step(step, dev_metrics)
         step_log.record(step, dev_metrics)
         ckpt.check_for_errors()  # an async save that failed stops the run here
         why_stop = stopper.after_step()

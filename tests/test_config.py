@@ -10,7 +10,8 @@ def test_paper_config_is_the_papers_setup():
     c = get_config("paper")
     m, t, d = c.model, c.train, c.data
     assert (m.n_layer, m.n_head, m.head_dim, m.d_model) == (6, 6, 32, 192)
-    assert m.window_sizes == (None, 50, 50, 50, 50, 50)
+    # the author's flash-attention window_size=(50, 0): query i sees keys i-50..i, 51 keys
+    assert m.window_sizes == (None, 51, 51, 51, 51, 51)
     assert (m.vocab_size, d.seq_len, m.pos_embedding, m.compute_dtype) == (10_000, 2048, "learned", "bfloat16")
     assert (t.lr, t.b1, t.b2, t.weight_decay, t.grad_clip, t.warmup_steps) == (6e-4, 0.9, 0.95, 0.1, 1.0, 2000)
     assert t.batch_size * d.seq_len == 524_288  # the paper's 524K tokens per step

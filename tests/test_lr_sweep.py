@@ -92,7 +92,7 @@ def test_program_step_matches_the_library_train_step():
 
 def test_variant_configs_are_the_paper_configs_with_bytes():
     cfgs = {v: runner.variant_config(v) for v in runner.VARIANTS}
-    assert cfgs["ls"].model.window_sizes == (None, 50, 50, 50, 50, 50)
+    assert cfgs["ls"].model.window_sizes == (None, 51, 51, 51, 51, 51)
     assert cfgs["mhsa"].model.window_sizes == (None,) * 6
     assert cfgs["mhsa_qknorm"].model.qk_norm and cfgs["mhsa_zloss"].train.z_loss == 1e-4
     assert all(c.model.vocab_size == 256 and c.data.tokenizer == "bytes" for c in cfgs.values())

@@ -19,6 +19,14 @@ def test_library_example_runs():
     assert namespace["stats"]["attn_max_abs_logit"].shape == (2, 4)
 
 
+def test_linen_and_attention_fn_example_runs():
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "make_attention_fn" in b]
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    for name in ("y_BxTxM", "y_nnx", "y_linen"):
+        assert namespace[name].shape == (2, 64, 128), name
+
+
 def test_configs_named_in_readme_exist():
     for name in set(re.findall(r"--config (\w+)", README)):
         assert name in CONFIGS, name

@@ -55,7 +55,7 @@ def test_variant_configs_are_the_named_paper_configs_rescaled():
         # the gpu stress setting: bytes on the stdlib corpus, lr 3e-3, T=2048, batch 32
         assert (cfg.data.source, cfg.data.tokenizer, cfg.model.vocab_size) == ("stdlib", "bytes", 256)
         assert (cfg.train.lr, cfg.data.seq_len, cfg.train.batch_size) == (3e-3, 2048, 32)
-    assert stability.variant_config("gpu", "ls").model.window_sizes == (None, 50, 50, 50, 50, 50)
+    assert stability.variant_config("gpu", "ls").model.window_sizes == (None, 51, 51, 51, 51, 51)
     assert stability.variant_config("gpu", "mhsa").model.window_sizes == (None,) * 6
     assert stability.variant_config("gpu", "mhsa_qknorm").model.qk_norm
     assert stability.variant_config("gpu", "mhsa_zloss").train.z_loss == 1e-4

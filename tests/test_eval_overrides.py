@@ -1,0 +1,104 @@
+"""eval.py: section.key=value overrides that leave the model alone (a moved data path), model.*
+refused in one line, and only the parameters restored (the optimizer state stays on disk)."""
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from ls_jax.configs import get_config
+from ls_jax.configs.cli import eval_main
+from ls_jax.evaluate import evaluate_checkpoint
+from ls_jax.model import Transformer
+from ls_jax.train import train
+
+MICRO = [
+    "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.head_dim=16", "model.window=8",
+    "model.max_seq_len=32", "data.seq_len=32", "data.shuffle_window=16", "train.batch_size=2",
+    "train.warmup_steps=1", "train.num_steps=2", "train.save_every=2", "train.eval_batches=1",
+    "train.progress=false", "train.async_checkpoints=false",
+]
+
+
+@pytest.fixture(scope="module")
+def run_on_moved_corpus(tmp_path_factory):
+    """A 2-step run trained on text files whose folder is then moved: (workdir, new folder)."""
+    tmp = tmp_path_factory.mktemp("eval_overrides")
+    corpus = tmp / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        words = rng.choice(["alpha", "beta", "gamma", "delta", "eps"], size=200)
+        (corpus / f"doc{i:02d}.txt").write_text(" ".join(words))
+    workdir = str(tmp / "run")
+    train(get_config("tiny", MICRO + [f"data.source=text:{corpus}/*.txt"]), workdir,
+          log=lambda m: None)
+    moved = tmp / "moved_corpus"
+    shutil.move(str(corpus), str(moved))
+    return workdir, moved
+
+
+def test_override_moves_the_data_path(run_on_moved_corpus, capsys):
+    workdir, moved = run_on_moved_corpus
+    base = ["--checkpoint", workdir, "--split", "train", "--max-batches", "1"]
+    # the recorded path is gone: a clear error, exit 2
+    assert eval_main(base) == 2
+    assert "no files match the glob" in capsys.readouterr().err
+    override = f"data.source=text:{moved}/*.txt"
+    assert eval_main(base + [override]) == 0
+    out = capsys.readouterr().out
+    assert "perplexity" in out
+    (path,) = [os.path.join(workdir, f) for f in os.listdir(workdir) if f.startswith("eval_step2_")]
+    with open(path) as f:
+        result = json.load(f)
+    assert result["overrides"] == [override] and np.isfinite(result["loss"])
+    # config.json, the run's identity, is untouched
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert json.load(f)["data"]["source"] != f"text:{moved}/*.txt"
+
+
+def test_model_overrides_are_refused_in_one_line(run_on_moved_corpus, capsys):
+    workdir, moved = run_on_moved_corpus
+    assert eval_main(["--checkpoint", workdir, f"data.source=text:{moved}/*.txt",
+                      "model.n_layer=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("error: override: expected data.*, train.* or "
+                           "model.attn_implementation at evaluation (the checkpoint fixes the "
+                           "model), got 'model.n_layer=3'")
+    # choosing the attention backend is allowed: it does not change the model
+    assert eval_main(["--checkpoint", workdir, "--split", "train", "--max-batches", "1",
+                      f"data.source=text:{moved}/*.txt",
+                      "model.attn_implementation=reference"]) == 0
+
+
+def test_only_the_parameters_are_restored(run_on_moved_corpus, monkeypatch):
+    workdir, moved = run_on_moved_corpus
+    targets = []
+    original = ocp.CheckpointManager.restore
+
+    def spy(self, step, *args, **kwargs):
+        targets.append(kwargs["args"]["state"].item)
+        return original(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", spy)
+    r = evaluate_checkpoint(workdir, split="train", max_batches=1,
+                            overrides=[f"data.source=text:{moved}/*.txt"])
+    assert np.isfinite(r["loss"])
+    (target,) = targets
+    # what was read: exactly the model's variables (counted from a model built here), no more
+    cfg = get_config("tiny", MICRO)
+    model_leaves = jax.tree.leaves(nnx.state(nnx.eval_shape(
+        lambda: Transformer(cfg.model, rngs=nnx.Rngs(params=0)))))
+    read_leaves = jax.tree.leaves(target)
+    assert len(read_leaves) == len(model_leaves)
+    assert sorted((l.shape, str(l.dtype)) for l in read_leaves) == \
+        sorted((l.shape, str(l.dtype)) for l in model_leaves)
+    # while the checkpoint on disk holds more (the optimizer's moments and step count)
+    on_disk = ocp.PyTreeCheckpointer().metadata(
+        os.path.join(workdir, "checkpoints", "2", "state")).item_metadata.tree
+    assert len(jax.tree.leaves(on_disk)) > 2 * len(model_leaves)

@@ -91,12 +91,13 @@ def test_qkv_gather_check_reads_hlo_lines():
 # -- 8 fake devices -------------------------------------------------------------------------
 
 def test_kernel_per_shard_matches_one_device():
-    """Every backend with a CPU path (reference, Pallas GPU and TPU in interpret mode) on a
-    data x tensor mesh where each head shard holds different windows: output, logit stats and
+    """The reference and a Pallas kernel in interpret mode (the GPU one: the per-shard wrapper
+    is the same for every backend, and the TPU interpreter is the slowest on CPU) on a data x
+    tensor mesh where each head shard holds different windows: output, logit stats and
     gradients as on one device; a step that does gather q is caught by the HLO check."""
-    r = _result(_start(8, "kernels", "reference,pallas_gpu,pallas_tpu"))
+    r = _result(_start(8, "kernels", "reference,pallas_gpu"))
     assert set(r["reference"]) == {"tensor2", "tensor4"}
-    for impl in ("reference", "pallas_gpu", "pallas_tpu"):
+    for impl in ("reference", "pallas_gpu"):
         for mesh, got in r[impl].items():
             assert got["out"] < 1e-5 and got["grads"] < 1e-5, (impl, mesh, got)
             assert got["stats"] < 1e-5, (impl, mesh, got)

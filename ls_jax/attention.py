@@ -92,16 +92,19 @@ class LSAttention(nnx.Module):
     def __call__(self, x_BxTxM: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, return_logit_stats: bool = False):
         """Returns y [B, T, d_model], or (y, max_abs_logit [n_head]) with return_logit_stats."""
-        B, T, _ = x_BxTxM.shape
-        q_BxTxHxD = self.q_proj(x_BxTxM).reshape(B, T, self.n_head, self.head_dim)
-        k_BxTxGxD = self.k_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
-        v_BxTxGxD = self.v_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim)
+        q_BxTxHxD, k_BxTxGxD, v_BxTxGxD = self.project(x_BxTxM)
         return attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, self.o_proj, self.window_sizes,
                       q_norm=self.q_norm, k_norm=self.k_norm, rope_theta=self.rope_theta,
                       dtype=self.dtype, implementation=self.implementation,
                       positions=positions, segment_ids=segment_ids,
                       return_logit_stats=return_logit_stats)
 
+    def project(self, x_BxTxM: jax.Array):
+        """(q [B, T, H, D], k [B, T, G, D], v [B, T, G, D]): the input projections."""
+        B, T, _ = x_BxTxM.shape
+        return (self.q_proj(x_BxTxM).reshape(B, T, self.n_head, self.head_dim),
+                self.k_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim),
+                self.v_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim))
 
     # -- decoding with a KV cache (ls_jax/kv_cache.py, ls_jax/generate.py) ----------------------
 
@@ -127,15 +130,10 @@ class LSAttention(nnx.Module):
 
         B, C, _ = x_BxCxM.shape
         layout = self.cache_layout(cache.k_global.shape[1])
-        q_BxCxHxD = self.q_proj(x_BxCxM).reshape(B, C, self.n_head, self.head_dim)
-        k_BxCxGxD = self.k_proj(x_BxCxM).reshape(B, C, self.n_kv_head, self.head_dim)
-        v_BxCxGxD = self.v_proj(x_BxCxM).reshape(B, C, self.n_kv_head, self.head_dim)
-        if self.q_norm is not None:
-            q_BxCxHxD = self.q_norm(q_BxCxHxD).astype(self.dtype)
-            k_BxCxGxD = self.k_norm(k_BxCxGxD).astype(self.dtype)
-        if self.rope_theta is not None:
-            q_BxCxHxD = apply_rope(q_BxCxHxD, positions_BxC, self.rope_theta)
-            k_BxCxGxD = apply_rope(k_BxCxGxD, positions_BxC, self.rope_theta)
+        q_BxCxHxD, k_BxCxGxD, v_BxCxGxD = self.project(x_BxCxM)
+        q_BxCxHxD, k_BxCxGxD = norm_and_rope(
+            q_BxCxHxD, k_BxCxGxD, positions_BxC, q_norm=self.q_norm, k_norm=self.k_norm,
+            rope_theta=self.rope_theta, dtype=self.dtype)
 
         def heads(x, idx):
             return jnp.take(x, jnp.asarray(idx, jnp.int32), axis=2)
@@ -189,6 +187,18 @@ class LSAttention(nnx.Module):
         return y_BxCxM, LayerCache(k_global, v_global, k_local, v_local)
 
 
+def norm_and_rope(q_BxTxHxD, k_BxTxGxD, positions_BxT, *, q_norm, k_norm, rope_theta, dtype):
+    """QK-norm (when ``q_norm`` is not None) then RoPE (when ``rope_theta`` is not None) of
+    queries and keys: the one place both the full-sequence and the cached path do it."""
+    if q_norm is not None:
+        q_BxTxHxD = q_norm(q_BxTxHxD).astype(dtype)
+        k_BxTxGxD = k_norm(k_BxTxGxD).astype(dtype)
+    if rope_theta is not None:
+        q_BxTxHxD = apply_rope(q_BxTxHxD, positions_BxT, rope_theta)
+        k_BxTxGxD = apply_rope(k_BxTxGxD, positions_BxT, rope_theta)
+    return q_BxTxHxD, k_BxTxGxD
+
+
 def attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, o_proj, window_sizes, *, q_norm, k_norm, rope_theta,
            dtype, implementation, positions=None, segment_ids=None, return_logit_stats=False):
     """The layer after the q/k/v projections: QK-norm, RoPE, ``ls_attention``, ``o_proj``.
@@ -197,14 +207,10 @@ def attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, o_proj, window_sizes, *, q_norm, k_n
     are callables of either library (``q_norm`` None: no QK-norm).
     """
     B, T, H, D = q_BxTxHxD.shape
-    if q_norm is not None:
-        q_BxTxHxD = q_norm(q_BxTxHxD).astype(dtype)
-        k_BxTxGxD = k_norm(k_BxTxGxD).astype(dtype)
-    if rope_theta is not None:
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-        q_BxTxHxD = apply_rope(q_BxTxHxD, positions, rope_theta)
-        k_BxTxGxD = apply_rope(k_BxTxGxD, positions, rope_theta)
+    if rope_theta is not None and positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    q_BxTxHxD, k_BxTxGxD = norm_and_rope(q_BxTxHxD, k_BxTxGxD, positions, q_norm=q_norm,
+                                         k_norm=k_norm, rope_theta=rope_theta, dtype=dtype)
     # one kernel call per shard when a mesh is set (jax.set_mesh); otherwise ls_attention
     result = ls_attention_sharded(
         q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, window_sizes, segment_ids=segment_ids,

@@ -146,8 +146,10 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
     if all_global:  # split: 1.4% faster than cond on all-global fwd, twice (kernel-notes)
         config = dataclasses.replace(config, wide_fwd_block_q=128, wide_dq_block_q=128,
                                      wide_dkdv_block_k=128, wide_fwd_loop="split")
-    if head_dim > 64:
+    if all_global and head_dim > 64:  # the 128-row tiles of the all-global path want 8 warps
         config = dataclasses.replace(config, fwd_num_warps=8, bwd_num_warps=8)
+    # LS mixes keep 4 warps at D=128: with 8 (the earlier default for D > 64) the 1 global +
+    # 15 local forward at p=512 took 1.243 ms against 0.627 ms (H100, docs/performance.md run H)
     return config
 
 

@@ -338,19 +338,10 @@ def test_non_identity_fields_may_change_on_resume(tmp_path):
 # -- item 8: Ctrl-C is treated like SIGTERM -----------------------------------------------------
 
 @pytest.mark.slow
-def test_ctrl_c_saves_and_exits_zero(tmp_path):
+def test_ctrl_c_saves_and_exits_zero(tmp_path, signal_training_run):
     workdir = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", "tiny", "--workdir",
-           str(workdir), *MICRO, "train.num_steps=100000", "train.save_every=100000"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    metrics = workdir / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
+    returncode, out = signal_training_run(workdir, MICRO, signal.SIGINT, after_lines=2)
+    assert returncode == 0, out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out
     assert "stopping at step" in out and f"signal {int(signal.SIGINT)}" in out
     assert "checkpoint: step" in out and "interrupted" in out

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -192,18 +191,10 @@ def test_bad_train_inputs(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_exits_zero(tmp_path):
+def test_sigterm_saves_and_exits_zero(tmp_path, signal_training_run):
     workdir = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", "tiny", "--workdir",
-           str(workdir), *MICRO, "train.num_steps=100000", "train.save_every=100000"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = workdir / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 3):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out
+    returncode, out = signal_training_run(workdir, MICRO, signal.SIGTERM, after_lines=3)
+    assert returncode == 0, out
     assert "stopping at step" in out and "interrupted" in out
     ckpt = Checkpointer(str(workdir), create=False)
     steps = ckpt.all_steps()

@@ -22,6 +22,7 @@ The table is printed last; JSON goes to --out.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import subprocess
@@ -54,8 +55,18 @@ def peak_flops(device_kind: str) -> float | None:
     return None
 
 
-def worker(shape_name: str, shape: dict, mesh_kind: str, steps: int, warmup: int) -> dict:
+def _phase(name: str, t_start: float) -> None:
+    """One line on stderr per phase, so a run killed at its timeout says where it was."""
+    print(f"phase {name} at {time.perf_counter() - t_start:.1f} s", file=sys.stderr, flush=True)
+
+
+def worker(shape_name: str, shape: dict, mesh_kind: str, steps: int, warmup: int,
+           deadline_s: float | None = None) -> dict:
     """One measurement on every visible device; returns a JSON-able dict."""
+    t_start = time.perf_counter()
+    if deadline_s:
+        # a run that hangs prints every thread's Python stack before the parent kills it
+        faulthandler.dump_traceback_later(deadline_s, exit=True)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -102,22 +113,27 @@ def worker(shape_name: str, shape: dict, mesh_kind: str, steps: int, warmup: int
         step_fn = jax.jit(step, in_shardings=(state_sharding, data_sharding),
                           out_shardings=(state_sharding, sharding_lib.replicated(mesh)),
                           donate_argnums=0)
+        _phase("init", t_start)
         rng = np.random.default_rng(0)
         tokens = rng.integers(0, mcfg.vocab_size, size=(batch, T + 1), dtype=np.int32)
         batch_arr = sharding_lib.global_batch({"inputs": tokens[:, :-1],
                                                "targets": tokens[:, 1:]}, data_sharding)
+        _phase("compile", t_start)
         t0 = time.perf_counter()
         compiled = step_fn.lower(state, batch_arr).compile()
         compile_s = time.perf_counter() - t0
         hlo = compiled.as_text()
-        for _ in range(warmup):
+        _phase("warm-up", t_start)
+        for i in range(warmup):
             state, loss = step_fn(state, batch_arr)
-        jax.block_until_ready(loss)
+            jax.block_until_ready(loss)
+            _phase(f"warm-up step {i + 1} done", t_start)
         t0 = time.perf_counter()
         for _ in range(steps):
             state, loss = step_fn(state, batch_arr)
         jax.block_until_ready(loss)
         seconds = (time.perf_counter() - t0) / steps
+        _phase("timed steps done", t_start)
 
     params = nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)
     embed_names = {"embed", "pos_embed"}
@@ -139,6 +155,7 @@ def worker(shape_name: str, shape: dict, mesh_kind: str, steps: int, warmup: int
         "compile_s": compile_s, "loss": float(loss),
         "qkv_all_gathers": len(gathers), "qkv_all_gather_lines": gathers[:3],
         "all_gathers": hlo.count(" all-gather(") + hlo.count(" all-gather-start("),
+        "all_reduces": hlo.count(" all-reduce(") + hlo.count(" all-reduce-start("),
     }
 
 
@@ -150,18 +167,28 @@ def _run_one(shape_name: str, n: int, args, timeout: float) -> dict:
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", shape_name,
-           "--mesh", args.mesh, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--mesh", args.mesh, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--deadline-s", str(max(5.0, timeout - 10.0))]
     if args.smoke:
         cmd.append("--smoke")
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"shape": shape_name, "devices": n, "error": f"timed out after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as e:
+        return {"shape": shape_name, "devices": n, "error": f"timed out after {timeout:.0f} s",
+                "stderr_tail": _text(e.stderr)[-6000:]}
     if proc.returncode != 0:
-        return {"shape": shape_name, "devices": n,
-                "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else
-                f"exit {proc.returncode}", "stderr_tail": proc.stderr[-3000:]}
+        phases = [ln for ln in proc.stderr.splitlines() if ln.startswith("phase ")]
+        hung = "Timeout (" in proc.stderr  # faulthandler's header: the worker's own deadline
+        error = (f"hung after {phases[-1] if phases else 'start'} (stacks in stderr_tail)"
+                 if hung else proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
+                 else f"exit {proc.returncode}")
+        return {"shape": shape_name, "devices": n, "error": error,
+                "stderr_tail": proc.stderr[-6000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
 def table(results: list[dict]) -> str:
@@ -193,7 +220,11 @@ def main(argv=None) -> int:
                         help="stop starting runs after this many seconds in total")
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, 2 steps")
     parser.add_argument("--out", default=None, help="JSON file for the results")
+    parser.add_argument("--per-run-s", type=float, default=None,
+                        help="time limit of one (shape, device count) run; a run past it "
+                        "prints its Python stacks and is reported as hung")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline-s", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     if args.smoke:
@@ -201,7 +232,7 @@ def main(argv=None) -> int:
 
     if args.worker:
         print(json.dumps(worker(args.worker, shapes[args.worker], args.mesh, args.steps,
-                                args.warmup)), flush=True)
+                                args.warmup, args.deadline_s)), flush=True)
         return 0
 
     names = args.shapes.split(",") if args.shapes else list(shapes)
@@ -219,7 +250,7 @@ def main(argv=None) -> int:
             if left < 20:
                 results.append({"shape": name, "devices": n, "error": "skipped: --budget-s spent"})
                 continue
-            r = _run_one(name, n, args, timeout=left)
+            r = _run_one(name, n, args, timeout=min(left, args.per_run_s or left))
             results.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "stderr_tail"}), flush=True)
     if args.out:

@@ -35,6 +35,7 @@ from ls_jax.configs import get_config
 from ls_jax.loss import lm_loss
 from ls_jax.model import Transformer
 from ls_jax.optimizer import learning_rate_schedule, make_optimizer
+from ls_jax.state import init_key
 
 from experiments.variants import VARIANTS, config_name
 
@@ -84,17 +85,18 @@ class Program:
         unit = dataclasses.replace(t, lr=1.0, min_lr=t.min_lr / t.lr)
         self.tx = make_optimizer(unit)
         self.unit_schedule = learning_rate_schedule(unit)
-        self.graphdef = nnx.split(nnx.eval_shape(self._model), nnx.Param, ...)[0]
+        self.graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(
+            cfg.model, rngs=nnx.Rngs(params=0))), nnx.Param, ...)[0]
         self.replicated = NamedSharding(mesh, P())
         self.batch_sharding = NamedSharding(mesh, P(BATCH_AXIS))
         self.compile_seconds = None
         self._init = self._step = self._eval = None
 
-    def _model(self) -> Transformer:
-        return Transformer(self.cfg.model, rngs=nnx.Rngs(params=self.cfg.train.seed))
-
-    def _init_fn(self):
-        _, params, rest = nnx.split(self._model(), nnx.Param, ...)
+    def _init_fn(self, key):
+        # the key is an argument: a traced constant seed makes XLA constant-fold the whole
+        # initialisation at compile time (ls_jax.state.create_model_and_optimizer)
+        model = Transformer(self.cfg.model, rngs=nnx.Rngs(params=key))
+        _, params, rest = nnx.split(model, nnx.Param, ...)
         return {"params": params, "rest": rest, "opt": self.tx.init(params),
                 "step": jnp.zeros((), jnp.int32)}
 
@@ -132,7 +134,8 @@ class Program:
         B, T = self.cfg.train.batch_size, self.cfg.data.seq_len
         with jax.set_mesh(self.mesh):
             init = jax.jit(self._init_fn, out_shardings=self.replicated)
-            abstract = jax.eval_shape(self._init_fn)
+            key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=self.replicated)
+            abstract = jax.eval_shape(self._init_fn, key)
             abstract = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), abstract)
             batch = jax.ShapeDtypeStruct((B, T + 1), jnp.uint8, sharding=self.batch_sharding)
@@ -142,7 +145,7 @@ class Program:
                            out_shardings=(self.replicated, self.replicated), donate_argnums=0)
             evaluate = jax.jit(self._eval_fn, in_shardings=(self.replicated, self.batch_sharding),
                                out_shardings=self.replicated)
-            self._init = init.lower().compile()
+            self._init = init.lower(key).compile()
             self._step = step.lower(abstract, batch, lr).compile()
             self._eval = evaluate.lower(abstract, batch).compile()
         self.compile_seconds = time.time() - t0
@@ -151,7 +154,7 @@ class Program:
     def init(self):
         if self._init is None:
             self.compile()
-        return self._init()
+        return self._init(jax.device_put(init_key(self.cfg), self.replicated))
 
     def put_batch(self, batch_BxT1: np.ndarray) -> jax.Array:
         return jax.device_put(np.ascontiguousarray(batch_BxT1), self.batch_sharding)

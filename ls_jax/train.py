@@ -34,7 +34,7 @@ from ls_jax.optimizer import learning_rate_schedule
 from ls_jax.profiler import StepProfiler
 from ls_jax.rundir import RunDir
 from ls_jax.sources import load_split
-from ls_jax.state import abstract_train_state, create_model_and_optimizer
+from ls_jax.state import abstract_train_state, create_model_and_optimizer, init_key
 from ls_jax.tokenizer import make_tokenizer
 
 STATS_KEYS = ("attn_max_abs_logit", "lm_head_max_abs_logit")
@@ -219,7 +219,7 @@ class TrainFns:
     graphdef: Any
     abstract: Any  # abstract nnx.State of (model, optimizer)
     state_sharding: Any  # the same tree with a NamedSharding per variable
-    init: Callable  # () -> state
+    init: Callable  # (key) -> state; key = ls_jax.state.init_key(cfg)
     steps: dict[bool, Callable]  # with_stats -> (state, global batch) -> (state, metrics)
 
 
@@ -229,7 +229,8 @@ def compile_train_fns(cfg: Config, mesh: jax.sharding.Mesh) -> TrainFns:
     function compiles on first use."""
     graphdef, abstract = abstract_train_state(cfg)
     state_sharding = sharding_lib.state_shardings(abstract, mesh)
-    init = jax.jit(lambda: nnx.state(create_model_and_optimizer(cfg)),
+    # the key is an argument, never a traced constant (create_model_and_optimizer says why)
+    init = jax.jit(lambda key: nnx.state(create_model_and_optimizer(cfg, key=key)),
                    out_shardings=state_sharding)
     steps = {with_stats: jax.jit(make_train_step(graphdef, cfg, with_stats=with_stats),
                                  in_shardings=(state_sharding, sharding_lib.batch_sharding(mesh)),
@@ -252,7 +253,7 @@ def _restore_or_init(cfg: Config, mesh, fns: TrainFns, ckpt: Checkpointer, data_
                              f"to resume {ckpt.directory}, got {cfg.train.num_steps}")
         log(f"resumed from {ckpt.directory} at step {start_step}")
         return fns.graphdef, state, start_step
-    state = fns.init()
+    state = fns.init(init_key(cfg))
     n_params = count_params(nnx.merge(fns.graphdef, state)[0])
     log(f"{cfg.name}: {n_params / 1e6:.2f}M parameters, {jax.device_count()} device(s) "
         f"(mesh {dict(mesh.shape)}), {jax.process_count()} process(es), "

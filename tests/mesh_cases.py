@@ -105,6 +105,7 @@ def case_train(impl: str, meshes: str):
 
     from ls_jax import sharding as sharding_lib
     from ls_jax.kernels.sharded import qkv_gathers
+    from ls_jax.state import init_key
     from ls_jax.train import compile_train_fns
     extra = [f"model.attn_implementation={impl}"]
     if impl.startswith("pallas"):  # the model's kernel calls in Pallas interpret mode (CPU)
@@ -121,7 +122,7 @@ def case_train(impl: str, meshes: str):
         mesh = sharding_lib.make_mesh(cfg.mesh)
         with jax.set_mesh(mesh):
             fns = compile_train_fns(cfg, mesh)
-            state = fns.init()
+            state = fns.init(init_key(cfg))
             losses = []
             for batch_np in _batches(3, cfg.train.batch_size, cfg.data.seq_len):
                 batch = sharding_lib.global_batch(batch_np, sharding_lib.batch_sharding(mesh))

@@ -6,6 +6,8 @@ only the work inside the band (``kernels.band.band_flops``; full causal for the 
 Rows per (D, n):
   ours[...]     kernels/pallas_gpu/ (pallas_gpu_attention), one call for all heads (per p and head mix; in the
                 "causal" rows every head is global: the same work as the two causal peers)
+  ours_stats    the same with the logit statistics on (return_logit_stats=True), as training
+                logs them (--impl ours_stats)
   cudnn_ls      the cuDNN composition, implementation="cudnn" (per p and head mix)
   cudnn_causal  jax.nn.dot_product_attention(implementation="cudnn", is_causal=True), all heads
   triton_mha    jax.experimental.pallas.ops.gpu.attention.mha(causal=True), all heads
@@ -41,16 +43,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from ls_jax.kernels import ls_attention
+from hardware import peaks  # bench/hardware.py, beside this script
 from ls_jax.kernels.band import band_flops
 from ls_jax.kernels.pallas_gpu import KernelConfig, default_config, pallas_gpu_attention
 
 L2_BYTES = 50 * 2**20
-MIXES = ("1g15l", "global", "local")
+MIXES = ("1g15l", "2g14l", "global", "local")
 
 
 def head_windows(mix: str, num_heads: int, p: int):
     if mix == "1g15l":
         return (None,) + (p,) * (num_heads - 1)
+    if mix == "2g14l":
+        return (None, None) + (p,) * (num_heads - 2)
     if mix == "global":
         return (None,) * num_heads
     if mix == "local":
@@ -100,8 +105,11 @@ def attention_fns(impl: str, windows, D: int, config: KernelConfig | None):
     """(forward fn(q,k,v,do) -> out, forward+backward fn(q,k,v,do) -> grads)."""
     scale = 1.0 / float(np.sqrt(D))
     if impl.startswith("ours"):
+        stats = impl.startswith("ours_stats")  # the logit statistics on, as training logs them
+
         def attn(q, k, v):
-            return pallas_gpu_attention(q, k, v, windows, scale=scale, config=config)[0]
+            return pallas_gpu_attention(q, k, v, windows, scale=scale, config=config,
+                                        return_logit_stats=stats)[0]
     elif impl == "cudnn_ls":
         def attn(q, k, v):
             return ls_attention(q, k, v, windows, scale=scale, implementation="cudnn")
@@ -154,12 +162,29 @@ def measure(impl, windows, B, n, H, D, input_sets, args, config=None, flops_wind
                                                args.no_bwd)
         row["fwd_ms"] = time_ms(fwd, input_sets, args.reps, args.warmup, args.batch)
         row["fwd_tfs"] = band_flops(B, n, flops_windows, D) / row["fwd_ms"] / 1e9
+        row["fwd_floor_pct"] = floor_pct(row["fwd_ms"], B, n, H, D, flops_windows, False)
         if not args.no_bwd:
             row["fb_ms"] = time_ms(fwd_bwd, input_sets, args.reps, args.warmup, args.batch)
             row["fb_tfs"] = band_flops(B, n, flops_windows, D, backward=True) / row["fb_ms"] / 1e9
+            row["fb_floor_pct"] = floor_pct(row["fb_ms"], B, n, H, D, flops_windows, True)
     except Exception as e:  # a peer that fails at a size is reported, not fatal
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     return row
+
+
+def floor_pct(ms, B, n, H, D, windows, backward: bool) -> float | None:
+    """100 x the floor's time over the measured time. The floor is the larger of the band's
+    FLOPs at the card's dense bf16 peak and the bytes that must move at its HBM bandwidth
+    (bf16 q, k, v read and o written once; the backward also reads q, k, v, o, do and writes
+    dq, dk, dv). None on a card not in bench/hardware.py."""
+    found = peaks(jax.devices()[0].device_kind)
+    if found is None:
+        return None
+    flops_s, bytes_s = found
+    tensor_bytes = B * n * H * D * 2
+    moved = tensor_bytes * (12 if backward else 4)
+    floor_s = max(band_flops(B, n, windows, D, backward=backward) / flops_s, moved / bytes_s)
+    return 100.0 * floor_s / (ms / 1e3)
 
 
 def fmt(x, digits=3):
@@ -181,11 +206,12 @@ def run_sweep(args):
                 if impl in impls and not (impl == "triton_mha" and n > args.triton_max_n):
                     rows.append({**base, "p": "-", "mix": "causal",
                                  **measure(impl, causal, B, n, H, D, input_sets, args)})
-            if "ours" in impls and "global" in args.mix.split(","):
+            ours_impls = [i for i in ("ours", "ours_stats") if i in impls]
+            for ours in ours_impls if "global" in args.mix.split(",") else ():
                 for text in configs:
                     cfg = parse_config(text, dtype, D)
                     rows.append({**base, "p": "-", "mix": "causal", **measure(
-                        "ours" + (f"[{text}]" if text else ""), causal, B, n, H, D,
+                        ours + (f"[{text}]" if text else ""), causal, B, n, H, D,
                         input_sets, args, cfg)})
             for p in (int(x) for x in args.p.split(",")):
                 for mix in args.mix.split(","):
@@ -196,11 +222,11 @@ def run_sweep(args):
                         rows.append({**base, "p": p, "mix": mix,
                                      **measure("cudnn_ls", windows, B, n, H, D, input_sets,
                                                args)})
-                    if "ours" in impls:
+                    for ours in ours_impls:
                         for text in configs:
                             cfg = parse_config(text, dtype, D)
                             rows.append({**base, "p": p, "mix": mix, **measure(
-                                "ours" + (f"[{text}]" if text else ""), windows, B, n, H, D,
+                                ours + (f"[{text}]" if text else ""), windows, B, n, H, D,
                                 input_sets, args, cfg)})
                     print(json.dumps(rows[-1]), flush=True)
             del input_sets
@@ -212,13 +238,15 @@ def print_table(rows, args):
     print(f"\n## {device}, {datetime.date.today()}, jax {jax.__version__}, bf16, "
           f"B={args.batch_size} Hq={args.heads} (Hkv=Hq), median of {args.reps} samples x "
           f"{args.batch} calls")
-    print("| D | n | p | heads | impl | fwd ms | fwd TF/s | f+b ms | f+b TF/s | note |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| D | n | p | heads | impl | fwd ms | fwd TF/s | fwd % floor | f+b ms | f+b TF/s | "
+          "f+b % floor | note |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         note = " ".join(x for x in (r.get("error", ""), r.get("check", "")) if x)
         print(f"| {r['D']} | {r['n']} | {r['p']} | {r['mix']} | {r['impl']} | "
-              f"{fmt(r.get('fwd_ms'))} | {fmt(r.get('fwd_tfs'), 0)} | {fmt(r.get('fb_ms'))} | "
-              f"{fmt(r.get('fb_tfs'), 0)} | {note} |")
+              f"{fmt(r.get('fwd_ms'))} | {fmt(r.get('fwd_tfs'), 0)} | "
+              f"{fmt(r.get('fwd_floor_pct'), 0)} | {fmt(r.get('fb_ms'))} | "
+              f"{fmt(r.get('fb_tfs'), 0)} | {fmt(r.get('fb_floor_pct'), 0)} | {note} |")
 
 
 def memory_child(impl: str, n: int, args):

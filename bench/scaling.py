@@ -44,15 +44,11 @@ SMOKE_SHAPES = {
                              n_global_heads=1, window=8, max_seq_len=48),
                   seq_len=48, per_device_batch=2),
 }
-# dense bf16 peak FLOP/s per device, by jax's device_kind
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
-
 
 def peak_flops(device_kind: str) -> float | None:
-    for name, peak in PEAK_FLOPS.items():
-        if name in device_kind:
-            return peak
-    return None
+    from hardware import peaks  # bench/hardware.py, beside this script
+    found = peaks(device_kind)
+    return found[0] if found else None
 
 
 def _phase(name: str, t_start: float) -> None:

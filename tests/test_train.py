@@ -146,8 +146,11 @@ def test_resume_on_another_number_of_processes_restarts_the_data_reseeded(tmp_pa
     seed = data_lib.restart_seed(cfg.data.shuffle_seed, 4)
     assert seed != cfg.data.shuffle_seed
 
+    def pipeline(seed):
+        return iter(data_lib.make_dataset(cfg.data, cfg.data.train_split, batch_size=8, seed=seed))
+
     def first_batch(seed):
-        it = iter(data_lib.make_dataset(cfg.data, cfg.data.train_split, batch_size=8, seed=seed))
+        it = pipeline(seed)
         try:
             return next(it)
         finally:
@@ -157,6 +160,10 @@ def test_resume_on_another_number_of_processes_restarts_the_data_reseeded(tmp_pa
     assert not np.array_equal(batch["inputs"], first_batch(cfg.data.shuffle_seed)["inputs"])
     graphdef, abstract = abstract_train_state(cfg)
     ckpt = Checkpointer(a, create=False)
+    it = pipeline(cfg.data.shuffle_seed)
+    with pytest.raises(CheckpointError, match=r"step 4 .* saved by 2 process\(es\), this run has 1"):
+        ckpt.restore(4, abstract, it)  # a position for other shards is never restored
+    it.close()
     _, saved = ckpt.restore(4, abstract)
     ckpt.close()
     model = nnx.merge(graphdef, saved)[0]

@@ -113,8 +113,9 @@ def _as_saved_by_two_processes(step_dir):
     process and a data_meta naming 2 (the state arrays do not depend on the process count).
     Process 1's file holds process 0's state: a one-process resume must read neither."""
     data = os.path.join(step_dir, "data")
-    os.rename(os.path.join(data, "process_0-of-1.json"), os.path.join(data, "process_0-of-2.json"))
-    shutil.copy(os.path.join(data, "process_0-of-2.json"), os.path.join(data, "process_1-of-2.json"))
+    own = os.path.join(data, "process_0-of-2.json")
+    os.rename(os.path.join(data, "process_0-of-1.json"), own)
+    shutil.copy(own, os.path.join(data, "process_1-of-2.json"))
     meta_path = os.path.join(step_dir, "data_meta", "metadata")  # orbax's JsonSave file
     with open(meta_path) as f:
         meta = json.load(f)
@@ -161,7 +162,7 @@ def test_resume_on_another_number_of_processes_restarts_the_data_reseeded(tmp_pa
     graphdef, abstract = abstract_train_state(cfg)
     ckpt = Checkpointer(a, create=False)
     it = pipeline(cfg.data.shuffle_seed)
-    with pytest.raises(CheckpointError, match=r"step 4 .* saved by 2 process\(es\), this run has 1"):
+    with pytest.raises(CheckpointError, match=r"step 4 .* by 2 process\(es\), this run has 1"):
         ckpt.restore(4, abstract, it)  # a position for other shards is never restored
     it.close()
     _, saved = ckpt.restore(4, abstract)

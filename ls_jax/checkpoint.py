@@ -1,18 +1,22 @@
 """Orbax checkpoints of a training run: model + optimizer state (with its step), the grain data
-iterator and a checksum of every state array, saved together as one ``ocp.args.Composite`` per
-step.
+iterator, how that data position was saved and a checksum of every state array, saved together
+as one ``ocp.args.Composite`` per step.
 
-Each step is ``<workdir>/checkpoints/<step>/{state/, data/, checksums/}``
-(``RunDir.checkpoint_dir``), written by orbax (async, keep-last-N). A restore recomputes the
-checksums (and checks every float array is finite); ``restore_latest_intact`` falls back to the
-newest step that passes and moves damaged newer steps aside (``RunDir.damaged_checkpoint_dir``),
-never deleting them. A failed save raises ``CheckpointError`` naming the cause at the next
-``save`` or ``check_for_errors`` and leaves no partial (tmp) directory behind.
+Each step is ``<workdir>/checkpoints/<step>/{state/, data/, data_meta/, checksums/}``
+(``RunDir.checkpoint_dir``), written by orbax (async, keep-last-N). ``data/`` holds one iterator
+state per process (grain's ``process_<i>-of-<n>.json``), ``data_meta/`` its ``DataLayout``.
+A restore recomputes the checksums (and checks every float array is finite);
+``restore_latest_intact`` falls back to the newest step that passes and moves damaged newer
+steps aside (``RunDir.damaged_checkpoint_dir``), never deleting them. A failed save raises
+``CheckpointError`` naming the cause at the next ``save`` or ``check_for_errors`` and leaves no
+partial (tmp) directory behind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import shutil
 from typing import Any, Callable
 
@@ -24,6 +28,7 @@ import orbax.checkpoint as ocp
 from ls_jax.rundir import CHECKPOINT_SUBDIR, RunDir
 
 _TMP_MARKER = ".orbax-checkpoint-tmp"
+_GRAIN_FILE = re.compile(r"process_\d+-of-(\d+)\.json")  # grain's name for one process's state
 
 
 class CheckpointError(RuntimeError):
@@ -66,6 +71,15 @@ def _root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+@dataclasses.dataclass(frozen=True)
+class DataLayout:
+    """How a step's data position was saved: one iterator state per process of
+    ``process_count``, of the pipeline built from ``pipeline_seed`` (None: not recorded, a
+    checkpoint from before ``data_meta/``, whose pipeline used ``data.shuffle_seed``)."""
+    process_count: int
+    pipeline_seed: int | None
+
+
 class Checkpointer:
     """Thin wrapper over ``ocp.CheckpointManager`` with the run's save policy.
 
@@ -94,9 +108,14 @@ class Checkpointer:
         return self._manager.latest_step()
 
     # -- saving -------------------------------------------------------------------------------
-    def save(self, step: int, state: Any, data_iterator: Any | None = None) -> None:
+    def save(self, step: int, state: Any, data_iterator: Any | None = None,
+             pipeline_seed: int | None = None) -> None:
         """Starts saving ``step`` (async unless disabled). Raises ``CheckpointError`` if this or
-        an earlier async save failed."""
+        an earlier async save failed.
+
+        data_iterator: this process's grain iterator; its position is saved with its
+        ``DataLayout`` (this run's process count and ``pipeline_seed``, the seed it was built
+        from)."""
         self.check_for_errors()
         checksums, _ = state_checksums(state)
         items = {"state": ocp.args.StandardSave(state),
@@ -104,6 +123,8 @@ class Checkpointer:
         if data_iterator is not None:
             import grain
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
+            items["data_meta"] = ocp.args.JsonSave(dataclasses.asdict(
+                DataLayout(jax.process_count(), pipeline_seed)))
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:
@@ -133,10 +154,30 @@ class Checkpointer:
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     # -- restoring ----------------------------------------------------------------------------
+    def data_layout(self, step: int) -> DataLayout | None:
+        """How ``step`` saved its data position; None if it holds none. A step saved before
+        ``data_meta/`` existed: the process count from grain's file names, no seed. Unreadable
+        metadata raises ``CheckpointError``."""
+        step_dir = os.path.join(self.directory, str(step))
+        if os.path.isdir(os.path.join(step_dir, "data_meta")):
+            try:
+                meta = self._manager.restore(
+                    step, args=ocp.args.Composite(data_meta=ocp.args.JsonRestore()))["data_meta"]
+                return DataLayout(int(meta["process_count"]), meta["pipeline_seed"])
+            except Exception as e:
+                raise CheckpointError(
+                    f"checkpoint: step {step} in {self.directory} could not be restored (its "
+                    f"data_meta is damaged): {_root_cause(e)}") from e
+        data_dir = os.path.join(step_dir, "data")
+        counts = {int(m.group(1)) for name in (os.listdir(data_dir) if os.path.isdir(data_dir)
+                                               else ()) if (m := _GRAIN_FILE.fullmatch(name))}
+        return DataLayout(counts.pop(), None) if len(counts) == 1 else None
+
     def restore(self, step: int | None, abstract_state: Any, data_iterator: Any | None = None,
                 *, partial: bool = False):
         """Restores ``state`` (and the iterator in place) at ``step`` (None: the latest) and
-        verifies it; a damaged step raises ``CheckpointError``.
+        verifies it; a damaged step raises ``CheckpointError``, and so does a data position
+        saved by another number of processes (each process's input shard differs).
 
         partial: ``abstract_state`` names a part of the saved state (a subset of its keys); only
         that part is read from disk (and verified).
@@ -163,6 +204,12 @@ class Checkpointer:
             items["checksums"] = ocp.args.JsonRestore()
         if data_iterator is not None:
             import grain
+            layout = self.data_layout(step)
+            if layout is not None and layout.process_count != jax.process_count():
+                raise CheckpointError(
+                    f"checkpoint: the data position of step {step} in {self.directory} was saved "
+                    f"by {layout.process_count} process(es), this run has {jax.process_count()}; "
+                    f"restore the state without it")
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
@@ -185,17 +232,25 @@ class Checkpointer:
                 f"{len(non_finite)} array(s), first {non_finite[0]}")
         return step, state
 
-    def restore_latest_intact(self, abstract_state: Any, data_iterator: Any | None = None,
-                              log: Callable[[str], None] = print):
+    def restore_latest_intact(self, abstract_state: Any,
+                              data_iterator_for: Callable[[int, DataLayout | None], Any] | None
+                              = None, log: Callable[[str], None] = print):
         """(step, state) of the newest step that restores and verifies, or (None, None) if
         there is no checkpoint. Each damaged newer step gets a one-line warning and is moved to
-        ``RunDir.damaged_checkpoint_dir`` (kept, so a new save of that step is possible)."""
+        ``RunDir.damaged_checkpoint_dir`` (kept, so a new save of that step is possible).
+
+        data_iterator_for: called with each step tried (newest first) and its ``data_layout``;
+        returns the iterator to restore that step's data position into, or None to restore the
+        state only (e.g. a position saved by another number of processes).
+        """
         steps = self.all_steps()
         if not steps:
             return None, None
         damaged = []
         for step in reversed(steps):
             try:
+                data_iterator = (data_iterator_for(step, self.data_layout(step))
+                                 if data_iterator_for is not None else None)
                 step, state = self.restore(step, abstract_state, data_iterator)
             except CheckpointError as e:
                 damaged.append((step, e))

@@ -139,6 +139,17 @@ def _pipeline_seeds(shuffle_seed: int, seed: int) -> tuple[int, int]:
     return int(state[0]) % 2**31, int(state[1]) % 2**31
 
 
+def restart_seed(seed: int, step: int) -> int:
+    """The pipeline ``seed`` for a pipeline restarted from its beginning at training ``step``
+    (a data position that cannot carry over, e.g. to another number of processes), in place of
+    one built from ``seed``: a new order, so the restart does not replay the run's first
+    batches, the same on every process and for every restart at that step."""
+    _check_int("seed", seed, 0)
+    _check_int("step", step, 0)
+    # the trailing 1 keeps this stream apart from _pipeline_seeds' [shuffle_seed, seed]
+    return int(np.random.SeedSequence([seed, step, 1]).generate_state(1)[0]) % 2**31
+
+
 def _check_int(name: str, value, minimum: int):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value!r}")

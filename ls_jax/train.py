@@ -24,7 +24,7 @@ from flax import nnx
 
 from ls_jax import data as data_lib
 from ls_jax import sharding as sharding_lib
-from ls_jax.checkpoint import Checkpointer
+from ls_jax.checkpoint import Checkpointer, DataLayout
 from ls_jax.config import Config
 from ls_jax.evaluate import evaluate_model
 from ls_jax.loss import lm_loss
@@ -134,20 +134,19 @@ def _train(cfg: Config, mesh, workdir: str, stop_after_steps, stop_at_time, log)
         run.check_config(cfg, log)
     _check_eval_split(cfg)
     with jax.set_mesh(mesh):
-        data_iter = iter(_train_dataset(cfg))
         ckpt = Checkpointer(run, keep=cfg.train.keep_checkpoints,
                             async_save=cfg.train.async_checkpoints)
-        step_log = None
+        step_log = data = None
         profiler = StepProfiler(cfg.train.profile_range, run.tensorboard_dir, log)
         try:
             fns = compile_train_fns(cfg, mesh)
-            graphdef, state, start_step = _restore_or_init(cfg, mesh, fns, ckpt, data_iter, log)
+            graphdef, state, start_step, data = _restore_or_init(cfg, mesh, fns, ckpt, log)
             if is_main:
                 run.write_config(cfg)
             step_log = _StepLog(cfg, run, start_step, log, enabled=is_main)
             with _Stopper(stop_after_steps, stop_at_time) as stopper:
                 state, final_step, interrupted = _step_loop(
-                    cfg, mesh, fns, state, start_step, data_iter, ckpt, step_log, stopper,
+                    cfg, mesh, fns, state, start_step, data, ckpt, step_log, stopper,
                     profiler, log)
             eval_metrics = None
             if final_step == cfg.train.num_steps and not interrupted and step_log.finished_before():
@@ -160,8 +159,8 @@ def _train(cfg: Config, mesh, workdir: str, stop_after_steps, stop_at_time, log)
             if step_log is not None:
                 step_log.close()
             ckpt.close()
-            if hasattr(data_iter, "close"):  # stop grain's prefetch threads
-                data_iter.close()
+            if data is not None:
+                data.close()
     return TrainResult(workdir=workdir, start_step=start_step, final_step=final_step,
                        losses=step_log.losses, last_metrics=step_log.last_metrics,
                        eval_metrics=eval_metrics, interrupted=interrupted)
@@ -205,12 +204,22 @@ def _check_eval_split(cfg: Config) -> None:
             it.close()
 
 
-def _train_dataset(cfg: Config):
-    """This process's shard of the training batches."""
-    n_proc = jax.process_count()
-    return data_lib.make_dataset(
-        cfg.data, cfg.data.train_split, batch_size=cfg.train.batch_size // n_proc,
-        seed=cfg.data.shuffle_seed, shard_index=jax.process_index(), shard_count=n_proc)
+class _TrainData:
+    """This process's shard of the training batches, from the pipeline ``seed`` (the config's
+    ``data.shuffle_seed`` unless the pipeline was restarted, ``data_lib.restart_seed``; saved
+    with each checkpoint, so a resume rebuilds the same pipeline before restoring its
+    position)."""
+
+    def __init__(self, cfg: Config, seed: int):
+        n_proc = jax.process_count()
+        self.seed = seed
+        self.iterator = iter(data_lib.make_dataset(
+            cfg.data, cfg.data.train_split, batch_size=cfg.train.batch_size // n_proc,
+            seed=seed, shard_index=jax.process_index(), shard_count=n_proc))
+
+    def close(self) -> None:
+        if hasattr(self.iterator, "close"):  # stop grain's prefetch threads
+            self.iterator.close()
 
 
 @dataclasses.dataclass
@@ -240,28 +249,69 @@ def compile_train_fns(cfg: Config, mesh: jax.sharding.Mesh) -> TrainFns:
     return TrainFns(graphdef, abstract, state_sharding, init, steps)
 
 
-def _restore_or_init(cfg: Config, mesh, fns: TrainFns, ckpt: Checkpointer, data_iter, log):
-    """(graphdef, state, start step): the latest checkpoint (the data iterator restored in
-    place) if there is one, else a fresh initialisation. A checkpoint written on any mesh is
-    restored straight into this run's shardings."""
-    start_step = 0
-    if ckpt.latest_step():
-        abstract = sharding_lib.with_shardings(fns.abstract, fns.state_sharding)
-        start_step, state = ckpt.restore_latest_intact(abstract, data_iter, log)
+def _restore_or_init(cfg: Config, mesh, fns: TrainFns, ckpt: Checkpointer, log):
+    """(graphdef, state, start step, data): the latest intact checkpoint if there is one, else
+    a fresh initialisation. A checkpoint written on any mesh is restored straight into this
+    run's shardings. Its data position carries over when it was saved by as many processes as
+    this run has (each keeps its input shard); otherwise ``_restarted_data``."""
+    if not ckpt.latest_step():
+        data = _TrainData(cfg, cfg.data.shuffle_seed)  # checks the train split before the init
+        try:
+            state = fns.init(init_key(cfg))
+        except BaseException:
+            data.close()
+            raise
+        n_params = count_params(nnx.merge(fns.graphdef, state)[0])
+        log(f"{cfg.name}: {n_params / 1e6:.2f}M parameters, {jax.device_count()} device(s) "
+            f"(mesh {dict(mesh.shape)}), {jax.process_count()} process(es), "
+            f"attention implementation {cfg.model.attn_implementation or 'default'}")
+        return fns.graphdef, state, 0, data
+    tried = {"data": None, "layout": None}  # of the step restore_latest_intact tried last
+
+    def position_into(step, layout):
+        if tried["data"] is not None:
+            tried["data"].close()
+        tried.update(data=None, layout=layout)
+        if layout is not None and layout.process_count != jax.process_count():
+            return None  # restore the state only
+        # the same processes (or no readable position: its restore reports the step damaged)
+        seed = cfg.data.shuffle_seed if layout is None or layout.pipeline_seed is None \
+            else layout.pipeline_seed
+        tried["data"] = _TrainData(cfg, seed)
+        return tried["data"].iterator
+
+    abstract = sharding_lib.with_shardings(fns.abstract, fns.state_sharding)
+    try:
+        start_step, state = ckpt.restore_latest_intact(abstract, position_into, log)
         if start_step > cfg.train.num_steps:
             raise ValueError(f"train.num_steps: expected >= the checkpointed step {start_step} "
                              f"to resume {ckpt.directory}, got {cfg.train.num_steps}")
-        log(f"resumed from {ckpt.directory} at step {start_step}")
-        return fns.graphdef, state, start_step
-    state = fns.init(init_key(cfg))
-    n_params = count_params(nnx.merge(fns.graphdef, state)[0])
-    log(f"{cfg.name}: {n_params / 1e6:.2f}M parameters, {jax.device_count()} device(s) "
-        f"(mesh {dict(mesh.shape)}), {jax.process_count()} process(es), "
-        f"attention implementation {cfg.model.attn_implementation or 'default'}")
-    return fns.graphdef, state, 0
+        data = tried["data"]
+        if data is None:
+            data = _restarted_data(cfg, start_step, tried["layout"], log)
+    except BaseException:
+        if tried["data"] is not None:
+            tried["data"].close()
+        raise
+    log(f"resumed from {ckpt.directory} at step {start_step}")
+    return fns.graphdef, state, start_step, data
 
 
-def _step_loop(cfg: Config, mesh, fns: TrainFns, state, start_step: int, data_iter,
+def _restarted_data(cfg: Config, step: int, layout: DataLayout, log) -> _TrainData:
+    """A fresh pipeline for this run's processes when ``step``'s data position was saved by
+    another number of processes (each process's shard differs): reseeded from (its seed,
+    step), so it does not replay the run's first batches; one warning line."""
+    saved_seed = cfg.data.shuffle_seed if layout.pipeline_seed is None else layout.pipeline_seed
+    data = _TrainData(cfg, data_lib.restart_seed(saved_seed, step))
+    if jax.process_index() == 0:
+        log(f"warning: the data position of step {step} cannot carry over (saved by "
+            f"{layout.process_count} process(es), now {jax.process_count()}): the input pipeline "
+            f"restarts with pipeline seed {data.seed}, so the data order differs from an "
+            f"uninterrupted run from here on")
+    return data
+
+
+def _step_loop(cfg: Config, mesh, fns: TrainFns, state, start_step: int, data: _TrainData,
                ckpt: Checkpointer, step_log: "_StepLog", stopper: "_Stopper",
                profiler: StepProfiler, log):
     """Runs steps until num_steps or a stop; returns (state, final step, interrupted)."""
@@ -269,7 +319,7 @@ def _step_loop(cfg: Config, mesh, fns: TrainFns, state, start_step: int, data_it
     graphdef, data_sharding = fns.graphdef, sharding_lib.batch_sharding(mesh)
     step, why_stop = start_step, None
     while step < tcfg.num_steps and why_stop is None:
-        batch = sharding_lib.global_batch(next(data_iter), data_sharding)
+        batch = sharding_lib.global_batch(next(data.iterator), data_sharding)
         profiler.before_step(step + 1)
         state, dev_metrics = fns.steps[step_log.logs(step + 1)](state, batch)
         step += 1
@@ -282,7 +332,7 @@ def _step_loop(cfg: Config, mesh, fns: TrainFns, state, start_step: int, data_it
         if save_now or at_eval:
             step_log.flush()  # check this step's loss before saving it
         if save_now:
-            ckpt.save(step, state, data_iter)
+            ckpt.save(step, state, data.iterator, data.seed)
             step_log.last_saved = step
             step_log.say(f"checkpoint: step {step} saved to {ckpt.directory}")
         if at_eval and step != tcfg.num_steps:

@@ -195,6 +195,17 @@ def case_multiprocess(workdir: str, process_id: str, port: str, stop_after: str)
             "interrupted": r.interrupted, "devices": jax.device_count()}
 
 
+def case_alone(workdir: str):
+    """case_multiprocess's run resumed by one process (one device) for one step; reports the
+    warning lines."""
+    from ls_jax.train import train
+    cfg = micro("train.num_steps=400", "train.save_every=1000")
+    messages = []
+    r = train(cfg, workdir, log=messages.append, stop_after_steps=1)
+    return {"process_count": jax.process_count(), "start": r.start_step, "final": r.final_step,
+            "warnings": [m for m in messages if m.startswith("warning:")]}
+
+
 if __name__ == "__main__":
     result = globals()[f"case_{sys.argv[1]}"](*sys.argv[2:])
     print(json.dumps(result), flush=True)

@@ -153,7 +153,8 @@ def _free_port() -> int:
 
 def test_two_processes_stop_together_on_one_sigterm(tmp_path):
     """Two processes (jax.distributed on localhost); SIGTERM to process 1 only: both save the
-    same step and exit 0; the rerun resumes from it."""
+    same step and exit 0; the rerun resumes from it. One process then resumes their last
+    checkpoint: the state carries over, the data position cannot (one warning)."""
     wd = tmp_path / "run"
     port = _free_port()
     procs = [_start(1, "multiprocess", wd, i, port, 0) for i in range(2)]
@@ -172,6 +173,11 @@ def test_two_processes_stop_together_on_one_sigterm(tmp_path):
     again = [_result(p) for p in [_start(1, "multiprocess", wd, i, port, 1) for i in range(2)]]
     assert [r["start"] for r in again] == [stopped, stopped]
     assert [r["final"] for r in again] == [stopped + 1, stopped + 1]
+    alone = _result(_start(1, "alone", wd))
+    assert alone["process_count"] == 1
+    assert alone["start"] == stopped + 1 and alone["final"] == stopped + 2
+    assert len(alone["warnings"]) == 1 and "saved by 2 process(es), now 1" in alone["warnings"][0]
+    assert not (wd / "damaged_checkpoints").exists()
 
 
 def test_remat_policies_give_the_same_gradients():

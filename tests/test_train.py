@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,10 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import ls_jax.train as train_lib
+from ls_jax import data as data_lib
 from ls_jax.configs import get_config
-from ls_jax.checkpoint import CheckpointError, Checkpointer
+from ls_jax.checkpoint import CheckpointError, Checkpointer, DataLayout
+from ls_jax.loss import lm_loss
 from ls_jax.configs.cli import eval_main
 from ls_jax.evaluate import evaluate_checkpoint
 from ls_jax.metrics import read_jsonl
@@ -102,6 +106,112 @@ def test_resume_after_a_mid_interval_stop_replays_from_the_checkpoint(tmp_path):
     ckpt.close()
     resumed = train(cfg, run, log=quiet)
     assert [resumed.losses[s] for s in range(5, 9)] == [whole.losses[s] for s in range(5, 9)]
+
+
+def _as_saved_by_two_processes(step_dir):
+    """Rewrites a step saved by one process as two processes save it: grain's iterator file per
+    process and a data_meta naming 2 (the state arrays do not depend on the process count).
+    Process 1's file holds process 0's state: a one-process resume must read neither."""
+    data = os.path.join(step_dir, "data")
+    own = os.path.join(data, "process_0-of-2.json")
+    os.rename(os.path.join(data, "process_0-of-1.json"), own)
+    shutil.copy(own, os.path.join(data, "process_1-of-2.json"))
+    meta_path = os.path.join(step_dir, "data_meta", "metadata")  # orbax's JsonSave file
+    with open(meta_path) as f:
+        meta = json.load(f)
+    assert meta["process_count"] == 1
+    with open(meta_path, "w") as f:
+        json.dump({**meta, "process_count": 2}, f)
+
+
+def _layout(workdir, step):
+    ckpt = Checkpointer(workdir, create=False)
+    try:
+        return ckpt.data_layout(step)
+    finally:
+        ckpt.close()
+
+
+def test_resume_on_another_number_of_processes_restarts_the_data_reseeded(tmp_path):
+    """Saved by 2 processes at step 4, resumed by 1: the saved state, a fresh pipeline from a
+    seed derived from (seed, step) (not the run's first batches), one warning, nothing moved
+    aside; a later resume on the same count is exact again."""
+    cfg = micro_config("train.num_steps=8", "train.save_every=2")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    train(cfg, a, stop_after_steps=4, log=quiet)
+    _as_saved_by_two_processes(os.path.join(a, "checkpoints", "4"))
+    assert _layout(a, 4) == DataLayout(2, cfg.data.shuffle_seed)
+    shutil.copytree(a, b)
+
+    # what step 5 must see: the step-4 state on the first batch of the restarted pipeline
+    seed = data_lib.restart_seed(cfg.data.shuffle_seed, 4)
+    assert seed != cfg.data.shuffle_seed
+
+    def pipeline(seed):
+        return iter(data_lib.make_dataset(cfg.data, cfg.data.train_split, batch_size=8, seed=seed))
+
+    def first_batch(seed):
+        it = pipeline(seed)
+        try:
+            return next(it)
+        finally:
+            it.close()
+
+    batch = first_batch(seed)
+    assert not np.array_equal(batch["inputs"], first_batch(cfg.data.shuffle_seed)["inputs"])
+    graphdef, abstract = abstract_train_state(cfg)
+    ckpt = Checkpointer(a, create=False)
+    it = pipeline(cfg.data.shuffle_seed)
+    with pytest.raises(CheckpointError, match=r"step 4 .* by 2 process\(es\), this run has 1"):
+        ckpt.restore(4, abstract, it)  # a position for other shards is never restored
+    it.close()
+    _, saved = ckpt.restore(4, abstract)
+    ckpt.close()
+    model = nnx.merge(graphdef, saved)[0]
+    want_loss, _ = lm_loss(model(jnp.asarray(batch["inputs"])), jnp.asarray(batch["targets"]),
+                           z_loss=cfg.train.z_loss)
+
+    messages = []
+    resumed = train(cfg, a, log=messages.append)
+    warnings = [m for m in messages if m.startswith("warning:")]
+    assert len(warnings) == 1, messages
+    assert ("step 4 cannot carry over (saved by 2 process(es), now 1)" in warnings[0]
+            and f"pipeline seed {seed}," in warnings[0]), warnings[0]
+    assert resumed.start_step == 4 and sorted(resumed.losses) == [5, 6, 7, 8]
+    assert resumed.losses[5] == pytest.approx(float(want_loss), rel=1e-5)
+    assert not os.path.exists(os.path.join(a, "damaged_checkpoints"))
+    assert _layout(a, 6) == DataLayout(1, seed)  # later checkpoints keep the new seed
+
+    # the same reshard, stopped after 2 steps, then resumed on the same count: exact
+    first = train(cfg, b, stop_after_steps=2, log=quiet)
+    messages = []
+    second = train(cfg, b, log=messages.append)
+    assert not [m for m in messages if m.startswith("warning:")], messages
+    assert second.start_step == 6
+    assert {**first.losses, **second.losses} == resumed.losses  # bit for bit
+
+
+def test_a_checkpoint_without_data_meta_resumes_exactly(tmp_path):
+    """A step saved before data_meta existed: the process count from grain's file names, the
+    config's shuffle seed; the resume is exact and later steps store their layout."""
+    cfg = micro_config("train.num_steps=4", "train.save_every=2")
+    whole = train(cfg, str(tmp_path / "whole"), log=quiet)
+    run = str(tmp_path / "run")
+    train(cfg, run, stop_after_steps=2, log=quiet)
+    step_dir = os.path.join(run, "checkpoints", "2")
+    shutil.rmtree(os.path.join(step_dir, "data_meta"))
+    with open(os.path.join(step_dir, "_CHECKPOINT_METADATA")) as f:
+        meta = json.load(f)
+    del meta["item_handlers"]["data_meta"]
+    with open(os.path.join(step_dir, "_CHECKPOINT_METADATA"), "w") as f:
+        json.dump(meta, f)
+    assert _layout(run, 2) == DataLayout(1, None)
+    messages = []
+    resumed = train(cfg, run, log=messages.append)
+    assert not [m for m in messages if m.startswith("warning:")], messages
+    assert resumed.start_step == 2
+    assert [resumed.losses[s] for s in (3, 4)] == [whole.losses[s] for s in (3, 4)]
+    assert _layout(run, 4) == DataLayout(1, cfg.data.shuffle_seed)
 
 
 def test_grad_accumulation_matches_one_big_batch(tmp_path):

@@ -3,7 +3,7 @@
 Layout of ``<workdir>`` (``train.py --workdir``, ``eval.py --checkpoint``)::
 
     config.json                       the resolved Config; fixes the run's identity
-    checkpoints/<step>/               orbax: {state/, data/} (see ls_jax.checkpoint)
+    checkpoints/<step>/               orbax: state/ checksums/ data/ data_meta/ (ls_jax.checkpoint)
     metrics.jsonl                     one JSON record per logged step (see ls_jax.metrics)
     metrics.jsonl.old                 the log of an earlier run that was started over
     tensorboard/                      the same numbers as TensorBoard event files

@@ -37,6 +37,18 @@ def test_platform_defaults():
     ((None,) * 4, {"head_dim": 128}, "cudnn"),
     ((None,) * 4, {"head_dim": 256}, "pallas_gpu"),   # beyond cuDNN's range on every card
     ((None,) * 4, {"head_dim": 36}, "pallas_gpu"),    # not a multiple of 8
+    # long LS mixes whose global heads dominate go to the cuDNN composition (run I, H100)
+    ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 128}, "cudnn"),
+    ((None,) * 2 + (512,) * 14, {"seq_len": 131072, "head_dim": 128}, "cudnn"),
+    ((None,) + (128,) * 15, {"seq_len": 65536, "head_dim": 128}, "pallas_gpu"),  # 1 in 16
+    ((None,) * 2 + (128,) * 14, {"seq_len": 32768, "head_dim": 128}, "pallas_gpu"),
+    ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 64}, "pallas_gpu"),
+    ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 128,
+                                 "return_logit_stats": True}, "pallas_gpu"),
+    ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 128,
+                                 "has_segments": True}, "pallas_gpu"),
+    ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 128,
+                                 "dtype": jnp.float32}, "pallas_gpu"),
 ])
 def test_cuda_table(platform, windows, changes, want):
     assert choose_implementation(platform, window_sizes=windows, **{**CASE, **changes}) == want

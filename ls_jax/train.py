@@ -275,9 +275,7 @@ def _restore_or_init(cfg: Config, mesh, fns: TrainFns, ckpt: Checkpointer, log):
         if layout is not None and layout.process_count != jax.process_count():
             return None  # restore the state only
         # the same processes (or no readable position: its restore reports the step damaged)
-        seed = cfg.data.shuffle_seed if layout is None or layout.pipeline_seed is None \
-            else layout.pipeline_seed
-        tried["data"] = _TrainData(cfg, seed)
+        tried["data"] = _TrainData(cfg, _saved_pipeline_seed(cfg, layout))
         return tried["data"].iterator
 
     abstract = sharding_lib.with_shardings(fns.abstract, fns.state_sharding)
@@ -297,12 +295,19 @@ def _restore_or_init(cfg: Config, mesh, fns: TrainFns, ckpt: Checkpointer, log):
     return fns.graphdef, state, start_step, data
 
 
+def _saved_pipeline_seed(cfg: Config, layout: DataLayout | None) -> int:
+    """The seed a step's pipeline was built from: the one its ``DataLayout`` records, else the
+    config's ``data.shuffle_seed`` (a checkpoint from before ``data_meta/``, or no layout)."""
+    if layout is None or layout.pipeline_seed is None:
+        return cfg.data.shuffle_seed
+    return layout.pipeline_seed
+
+
 def _restarted_data(cfg: Config, step: int, layout: DataLayout, log) -> _TrainData:
     """A fresh pipeline for this run's processes when ``step``'s data position was saved by
     another number of processes (each process's shard differs): reseeded from (its seed,
     step), so it does not replay the run's first batches; one warning line."""
-    saved_seed = cfg.data.shuffle_seed if layout.pipeline_seed is None else layout.pipeline_seed
-    data = _TrainData(cfg, data_lib.restart_seed(saved_seed, step))
+    data = _TrainData(cfg, data_lib.restart_seed(_saved_pipeline_seed(cfg, layout), step))
     if jax.process_index() == 0:
         log(f"warning: the data position of step {step} cannot carry over (saved by "
             f"{layout.process_count} process(es), now {jax.process_count()}): the input pipeline "

@@ -237,6 +237,8 @@ def main(argv=None) -> int:
                                 args.warmup, args.deadline_s)), flush=True)
         return 0
 
+    if args.per_run_s is not None and not args.per_run_s > 0:
+        parser.error(f"--per-run-s: expected seconds > 0, got {args.per_run_s}")
     names = args.shapes.split(",") if args.shapes else list(shapes)
     for name in names:
         if name not in shapes:

@@ -216,3 +216,12 @@ def test_scaling_bench_smoke(tmp_path):
     assert run["devices"] == 2 and run["mesh"]["data"] == 2
     assert run["tokens_per_s"] > 0 and run["qkv_all_gathers"] == 0
     assert proc.stdout.strip().splitlines()[-2].startswith("shape")
+
+
+def test_scaling_bench_refuses_a_bad_per_run_limit():
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "scaling.py"), "--smoke",
+                           "--per-run-s", "0"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "--per-run-s: expected seconds > 0, got 0.0"), proc.stderr

@@ -5,6 +5,7 @@ GPU-only tests (marked ``gpu``) run the compiled Triton kernels in bfloat16 at r
 The block-geometry helpers that decide which tiles are loaded are checked against brute force.
 """
 
+import dataclasses
 import warnings
 import zlib
 
@@ -328,3 +329,124 @@ def test_gpu_float32_matches_reference():
     out = ls_attention(q, k, v, windows, implementation="pallas_gpu")
     # fp32 dots run on the matrix units (seen on an H200: 3.6e-4, the tf32 signature)
     assert rel_err(out, reference_attention_parts(q, k, v, windows)[0]) < 2e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hopper forward (``forward_mosaic.py``): the Mosaic GPU kernel, with the Triton backward.
+
+def mosaic_config(block_q=64, block_k=64, stages=2, lowering="mosaic"):
+    return KernelConfig(fwd_lowering=lowering, mosaic_block_q=block_q, mosaic_block_k=block_k,
+                        mosaic_stages=stages, fwd_block_q=16, fwd_block_k=16, dq_block_q=16,
+                        dq_block_k=16, dkdv_block_q=16, dkdv_block_k=16)
+
+
+# (B, T, Hq, Hkv, D, windows, mosaic tiles); bfloat16, as the kernel takes
+MOSAIC_CASES = [
+    (1, 200, 4, 2, 64, (None, 1, 64, 130), (64, 64, 2)),   # padded T, GQA, p = 1, p = a block
+    (2, 256, 2, 2, 64, (None, None), (64, 64, 3)),         # all global, 3 stages > a row's blocks
+    (1, 384, 3, 1, 128, (7, None, 300), (64, 128, 2)),     # D = 128, 128-key blocks, MQA
+    # global heads on the Mosaic kernel, local ones on the Triton kernel, one output
+    (2, 160, 4, 2, 64, (5, None, 64, None), (64, 64, 2, "mixed")),
+]
+
+
+def mosaic_id(case):
+    B, T, Hq, Hkv, D, windows, tiles = case
+    tiles = "x".join(map(str, tiles))
+    return f"B{B}-T{T}-H{Hq}/{Hkv}-D{D}-w{'_'.join(map(str, windows))}-t{tiles}"
+
+
+class TestMosaicInterpret:
+    """The Mosaic GPU forward in Pallas' GPU interpreter on CPU (threads, barriers, TMA
+    simulated; a barrier phase no thread observed is an error there), bfloat16."""
+
+    @pytest.mark.parametrize("case", MOSAIC_CASES, ids=mosaic_id)
+    def test_forward_matches_reference(self, case):
+        B, T, Hq, Hkv, D, windows, tiles = case
+        rng = np.random.default_rng(zlib.crc32(mosaic_id(case).encode()))
+        q, k, v, _ = random_inputs(rng, B, T, Hq, Hkv, D, jnp.bfloat16)
+        out, lse, max_abs = pallas_gpu_attention_parts(q, k, v, windows,
+                                                       config=mosaic_config(*tiles),
+                                                       interpret=True)
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        want_out, want_lse, want_max = reference_attention_parts(*f32, windows)
+        assert out.dtype == jnp.bfloat16 and out.shape == (B, T, Hq, D)
+        assert rel_err(out, want_out) < 1e-2
+        assert rel_err(lse, want_lse) < 1e-5
+        np.testing.assert_allclose(max_abs, want_max, rtol=1e-5)
+
+    def test_gradients_through_the_triton_backward(self):
+        B, T, Hq, Hkv, D, windows = 1, 136, 3, 1, 64, (None, 20, None)
+        q, k, v, do = random_inputs(np.random.default_rng(3), B, T, Hq, Hkv, D, jnp.bfloat16)
+        f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+
+        def ours(q, k, v):
+            out, _ = pallas_gpu_attention(q, k, v, windows, config=mosaic_config(
+                lowering="mixed"), interpret=True)
+            return jnp.sum(out.astype(jnp.float32) * f32[3])
+
+        def ref(q, k, v):
+            return jnp.sum(reference_attention_parts(q, k, v, windows)[0] * f32[3])
+
+        got = jax.grad(ours, (0, 1, 2))(q, k, v)
+        want = jax.grad(ref, (0, 1, 2))(*f32[:3])
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert rel_err(g, w) < 2e-2, name
+
+    def test_calls_it_cannot_run_take_the_triton_forward(self):
+        # D = 32 is not a multiple of 64: the same config runs the Triton forward, same result
+        q, k, v, _ = random_inputs(np.random.default_rng(4), 1, 64, 2, 2, 32, jnp.bfloat16)
+        out, _, _ = pallas_gpu_attention_parts(q, k, v, (None, 9), config=mosaic_config(),
+                                               interpret=True)
+        want = reference_attention_parts(*(x.astype(jnp.float32) for x in (q, k, v)),
+                                         (None, 9))[0]
+        assert rel_err(out, want) < 1e-2
+
+    def test_bad_mosaic_config_is_a_clear_error(self):
+        q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+        for bad, field in [(dict(mosaic_block_q=32), "mosaic_block_q"),
+                           (dict(mosaic_stages=1), "mosaic_stages"),
+                           (dict(fwd_lowering="cuda"), "fwd_lowering")]:
+            with pytest.raises(ValueError, match=field):
+                pallas_gpu_attention(q, q, q, (None,), config=dataclasses.replace(
+                    mosaic_config(), **bad), interpret=True)
+
+
+MOSAIC_GPU_CASES = [
+    # (B, T, Hq, Hkv, D, windows, mosaic tiles)
+    (2, 2048, 8, 8, 64, (None,) + (128,) * 7, (64, 64, 2)),
+    (1, 3000, 8, 2, 128, (None, 50, 512, 1, None, 128, 3000, 7), (64, 128, 2)),
+    (1, 4096, 4, 4, 64, (None,) * 4, (64, 128, 3)),
+    (2, 1000, 4, 2, 128, (None, 64, 1, 300), (64, 64, 4)),
+    (2, 2048, 8, 4, 64, (None, 128, None, 50, 128, 128, 1, 2048), (64, 128, 2, "mixed")),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MOSAIC_GPU_CASES, ids=mosaic_id)
+def test_gpu_mosaic_forward_matches_reference(case):
+    B, T, Hq, Hkv, D, windows, tiles = case
+    rng = np.random.default_rng(T * 17 + D)
+    q, k, v, do = random_inputs(rng, B, T, Hq, Hkv, D, jnp.bfloat16)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+    config = dataclasses.replace(mosaic_config(*tiles), fwd_block_q=64, fwd_block_k=64,
+                                 dq_block_q=64, dq_block_k=32, dkdv_block_q=32, dkdv_block_k=64)
+    _poison_device_memory(q.size * 2)
+    out, lse, max_abs = jax.jit(lambda q, k, v: pallas_gpu_attention_parts(
+        q, k, v, windows, config=config))(q, k, v)
+    want_out, want_lse, want_max = reference_attention_parts(*f32[:3], windows)
+    assert rel_err(out, want_out) < 1e-2
+    assert rel_err(lse, want_lse) < 1e-3
+    assert rel_err(max_abs, want_max) < 1e-2
+
+    def ours(q, k, v):
+        o = pallas_gpu_attention(q, k, v, windows, config=config)[0]
+        return jnp.sum(o.astype(jnp.float32) * f32[3])
+
+    def ref(q, k, v):
+        return jnp.sum(reference_attention_parts(q, k, v, windows)[0] * f32[3])
+
+    got = jax.jit(jax.grad(ours, (0, 1, 2)))(q, k, v)
+    want = jax.grad(ref, (0, 1, 2))(*f32[:3])
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert rel_err(g, w) < 1e-2, name

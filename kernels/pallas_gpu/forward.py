@@ -18,9 +18,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ls_jax.kernels.band import is_global
+from ls_jax.kernels.pallas_gpu.forward_mosaic import forward_call_mosaic, mosaic_fits
 from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, ClassPaths, TilePath
 from ls_jax.kernels.pallas_gpu.tiles import (LOG2_E, MASKED_SCORE, MAX_FLOOR, allowed_QxK,
                                              mask_scores, run_band_loop, run_by_class,
@@ -101,10 +104,11 @@ class _ForwardProgram:
 
 def _forward_kernel(schedule_ref, head_ref, q_ref, k_ref, v_ref, *refs, paths: ClassPaths,
                     num_slots: int, group: int, seq_len: int, score_scale: float,
-                    scale: float, has_segments: bool, with_stats: bool):
+                    scale: float, has_segments: bool, with_stats: bool, num_prefilled: int):
     segment_ref = None
     if has_segments:
         segment_ref, *refs = refs
+    refs = refs[num_prefilled:]  # outputs of the Mosaic forward, aliased to ours (unread)
     out_ref, lse_ref, *refs = refs
     stat_ref = refs[0] if with_stats else None
 
@@ -134,24 +138,47 @@ def forward_call(plan: AttentionPlan, q, k, v, segment_ids):
     Returns:
       out [B, Tp, H, Dp] in q.dtype, lse2 float32 [B, H, Tp] (log2 domain: natural lse
       times log2(e)), and with ``plan.logit_stats`` float32 [B, H, Tp] max |logit| of each row.
+
+    With ``config.fwd_lowering`` "mosaic", calls that fit it (``forward_mosaic.mosaic_fits``)
+    run the Hopper kernel of ``forward_mosaic.py`` instead (same outputs); with "mixed" only
+    their global heads do (a first launch) and this kernel computes the local heads into the
+    same buffers (a second launch, outputs aliased to the first's).
     """
     B, Tp, H, Dp = q.shape
+    prefilled = ()
+    heads = range(H)
+    lowering = plan.config.fwd_lowering
+    if lowering != "triton" and mosaic_fits(q.dtype, Dp, segment_ids is not None,
+                                            plan.interpret):
+        wide = tuple(h for h, w in enumerate(plan.window_table()) if is_global(w, Tp))
+        if lowering == "mosaic" or len(wide) == H:
+            return forward_call_mosaic(plan, q, k, v)
+        if wide:  # "mixed": the global heads on the Hopper kernel, the local ones below
+            prefilled = tuple(x for x in forward_call_mosaic(plan, q, k, v, heads=wide)
+                              if x is not None)
+            heads = [h for h in range(H) if h not in wide]
     G = k.shape[2]
     programs = plan.query_plan("fwd")
     c = plan.config
     # per-head table: row 0 the effective window, row 1 the head's class
     head_table = jnp.stack([jnp.asarray(plan.window_table(), jnp.int32),
                             jnp.asarray(programs.head_class)])
-    schedule = jnp.asarray(programs.schedule)
+    schedule = programs.schedule
+    if prefilled:  # only the heads the Mosaic kernel left out
+        schedule = schedule[np.isin(schedule // programs.num_slots, heads)]
+    schedule = jnp.asarray(schedule)
     kernel = functools.partial(
         _forward_kernel, paths=programs.paths, num_slots=programs.num_slots, group=H // G,
         seq_len=Tp, score_scale=plan.scale * LOG2_E, scale=plan.scale,
-        has_segments=segment_ids is not None, with_stats=plan.logit_stats)
+        has_segments=segment_ids is not None, with_stats=plan.logit_stats,
+        num_prefilled=len(prefilled))
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)]
     if plan.logit_stats:
         out_shape.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
     inputs = [schedule, head_table, q, k, v] + ([] if segment_ids is None else [segment_ids])
+    aliases = {len(inputs) + i: i for i in range(len(prefilled))}
+    inputs += list(prefilled)
     outs = pl.pallas_call(
         kernel,
         grid=(B, schedule.shape[0]),
@@ -159,6 +186,7 @@ def forward_call(plan: AttentionPlan, q, k, v, segment_ids):
         compiler_params=plgpu.CompilerParams(num_warps=c.fwd_num_warps,
                                              num_stages=c.fwd_num_stages),
         interpret=plan.interpret,
+        input_output_aliases=aliases,
         name="ls_attention_fwd",
     )(*inputs)
     return (outs[0], outs[1], outs[2] if plan.logit_stats else None)

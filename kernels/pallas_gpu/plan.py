@@ -23,6 +23,7 @@ from ls_jax.kernels.band import (WindowSizes, cdiv, effective_windows, is_global
                                  kv_block_range, q_block_range)
 
 LOOP_MODES = ("split", "cond", "masked")
+FWD_LOWERINGS = ("triton", "mosaic", "mixed")
 
 _BLOCK_FIELDS = ("fwd_block_q", "fwd_block_k", "dq_block_q", "dq_block_k", "dkdv_block_q",
                  "dkdv_block_k")
@@ -61,6 +62,11 @@ class KernelConfig:
     their mask (``LOOP_MODES``, see ``kernels.pallas_gpu.tiles.run_band_loop``); wide_fwd_loop:
     the same for the wide forward path ("": as fwd_loop).
     delta_in_kernel: the dQ kernel computes ``delta = rowsum(O * dO)`` (else an XLA pass).
+    fwd_lowering: "triton" (``forward.py``), "mosaic" (``forward_mosaic.py``, the Hopper
+    forward) or "mixed" (the Hopper forward for the global heads, Triton for the local ones);
+    where ``forward_mosaic.mosaic_fits`` says no, the Triton forward runs every head;
+    mosaic_block_q: query rows per consumer warpgroup (a tile is twice that), mosaic_block_k:
+    keys per block, mosaic_stages: key/value blocks in flight (multiples of 64; stages >= 2).
     """
 
     fwd_block_q: int = 64
@@ -84,10 +90,17 @@ class KernelConfig:
     wide_window: int = 0
     wide_fwd_loop: str = ""
     delta_in_kernel: bool = True
+    fwd_lowering: str = "triton"
+    mosaic_block_q: int = 64
+    mosaic_block_k: int = 64
+    mosaic_stages: int = 2
 
     def blocks(self) -> tuple[int, ...]:
-        return tuple(getattr(self, name) for name in _BLOCK_FIELDS + _WIDE_BLOCK_FIELDS
-                     if getattr(self, name))
+        blocks = tuple(getattr(self, name) for name in _BLOCK_FIELDS + _WIDE_BLOCK_FIELDS
+                       if getattr(self, name))
+        if self.fwd_lowering != "triton":  # a Mosaic tile is two consumers' rows
+            blocks += (2 * self.mosaic_block_q, self.mosaic_block_k)
+        return blocks
 
     def validate(self):
         for name in _BLOCK_FIELDS + _WIDE_BLOCK_FIELDS:
@@ -104,6 +117,16 @@ class KernelConfig:
         if self.wide_fwd_loop not in ("",) + LOOP_MODES:
             raise ValueError(f"config.wide_fwd_loop: expected '' or one of {LOOP_MODES}, got "
                              f"{self.wide_fwd_loop!r}")
+        if self.fwd_lowering not in FWD_LOWERINGS:
+            raise ValueError(f"config.fwd_lowering: expected one of {FWD_LOWERINGS}, got "
+                             f"{self.fwd_lowering!r}")
+        for name in ("mosaic_block_q", "mosaic_block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 64 or value & (value - 1):
+                raise ValueError(f"config.{name}: expected a power of two >= 64, got {value!r}")
+        if not isinstance(self.mosaic_stages, int) or self.mosaic_stages < 2:
+            raise ValueError(f"config.mosaic_stages: expected an int >= 2, got "
+                             f"{self.mosaic_stages!r}")
         for name in ("fwd_loop", "bwd_loop"):
             if getattr(self, name) not in LOOP_MODES:
                 raise ValueError(f"config.{name}: expected one of {LOOP_MODES}, got "

@@ -9,6 +9,8 @@ Rows per (D, n):
   ours_stats    the same with the logit statistics on (return_logit_stats=True), as training
                 logs them (--impl ours_stats)
   cudnn_ls      the cuDNN composition, implementation="cudnn" (per p and head mix)
+  split         implementation="split": cuDNN causal for the global heads, ours for the local
+                ones (per p and head mix; --check compares it with cudnn_ls like ours)
   cudnn_causal  jax.nn.dot_product_attention(implementation="cudnn", is_causal=True), all heads
   triton_mha    jax.experimental.pallas.ops.gpu.attention.mha(causal=True), all heads
 
@@ -20,6 +22,9 @@ after ``--warmup`` calls.
 Examples:
   python bench/attention.py --d 64 --n 8192 --p 128 --mix 1g15l,global,local
   python bench/attention.py --memory            # peak device memory at n=131072, all local
+  # the split dispatch against ours and the cuDNN composition:
+  python bench/attention.py --check --d 128 --n 32768,65536 --p 128,512 --mix 2g14l,1g15l
+      --impl ours,split,cudnn_ls
   python bench/attention.py --cfg fwd_block_k=128,fwd_num_warps=8 --cfg fwd_block_k=64
 """
 
@@ -113,6 +118,9 @@ def attention_fns(impl: str, windows, D: int, config: KernelConfig | None):
     elif impl == "cudnn_ls":
         def attn(q, k, v):
             return ls_attention(q, k, v, windows, scale=scale, implementation="cudnn")
+    elif impl == "split":
+        def attn(q, k, v):
+            return ls_attention(q, k, v, windows, scale=scale, implementation="split")
     elif impl == "cudnn_causal":
         def attn(q, k, v):
             return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
@@ -157,7 +165,7 @@ def measure(impl, windows, B, n, H, D, input_sets, args, config=None, flops_wind
     flops_windows = windows if flops_windows is None else flops_windows
     row = {"impl": impl, "fwd_ms": None, "fb_ms": None}
     try:
-        if args.check and impl.startswith("ours"):
+        if args.check and (impl.startswith("ours") or impl == "split"):
             row["check"] = check_against_cudnn(fwd, fwd_bwd, windows, D, input_sets[0],
                                                args.no_bwd)
         row["fwd_ms"] = time_ms(fwd, input_sets, args.reps, args.warmup, args.batch)
@@ -218,10 +226,11 @@ def run_sweep(args):
                     if mix == "global":
                         continue
                     windows = head_windows(mix, H, p)
-                    if "cudnn_ls" in impls:
-                        rows.append({**base, "p": p, "mix": mix,
-                                     **measure("cudnn_ls", windows, B, n, H, D, input_sets,
-                                               args)})
+                    for peer in ("cudnn_ls", "split"):
+                        if peer in impls:
+                            rows.append({**base, "p": p, "mix": mix,
+                                         **measure(peer, windows, B, n, H, D, input_sets,
+                                                   args)})
                     for ours in ours_impls:
                         for text in configs:
                             cfg = parse_config(text, dtype, D, windows, n)
@@ -298,7 +307,8 @@ def main():
     ap.add_argument("--batch", type=int, default=5, help="back-to-back calls per sample")
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
     ap.add_argument("--check", action="store_true",
-                    help="also check each ours row against the cuDNN composition (rel. error)")
+                    help="also check each ours and split row against the cuDNN composition "
+                         "(rel. error)")
     ap.add_argument("--triton-max-n", type=int, default=32768,
                     help="skip triton_mha above this n (it is slow)")
     ap.add_argument("--memory", action="store_true", help="peak memory at --memory-n instead")

@@ -1,7 +1,8 @@
 """LS-attention kernels: one entry point, ``ls_attention``, over several backends.
 
 Backends: "reference" (pure JAX, the oracle), "cudnn" (GPU baseline), "pallas_gpu" and
-"pallas_tpu" (our block-sparse Pallas kernels, subpackages of the same shape). The band rule
+"pallas_tpu" (our block-sparse Pallas kernels, subpackages of the same shape), "split" (GPU:
+cuDNN for the global heads, "pallas_gpu" for the local ones). The band rule
 lives in ``kernels/band.py``, the choice of ``implementation=None`` in ``kernels/dispatch.py``,
 the entry point, validation and the shape-letter legend in ``kernels/api.py``.
 """

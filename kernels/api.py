@@ -1,6 +1,7 @@
 """The one public attention entry point, its input validation and backend dispatch.
 
-Every backend (pure-JAX reference, cuDNN composition, Pallas GPU, Pallas TPU) computes the
+Every backend (pure-JAX reference, cuDNN composition, Pallas GPU, Pallas TPU, and "split":
+cuDNN for the global heads, Pallas GPU for the local ones, ``kernels/split.py``) computes the
 same function: causal attention where each query head has its own window (the band, defined
 once in ``kernels/band.py``). For head h with window p (an int >= 1), query i sees the p keys
 i - p < j <= i; with window None it sees every j <= i. With ``segment_ids`` a query only sees
@@ -43,7 +44,7 @@ from ls_jax.kernels.band import WindowSizes
 from ls_jax.kernels.dispatch import (
     DEFAULT_IMPLEMENTATION,
     IMPLEMENTATIONS,
-    PALLAS_IMPLEMENTATIONS,
+    INTERPRET_IMPLEMENTATIONS,
     choose_implementation,
 )
 from ls_jax.kernels.reference import default_scale
@@ -151,6 +152,9 @@ def get_backend(implementation: str):
     if implementation == "pallas_tpu":
         from ls_jax.kernels.pallas_tpu import pallas_tpu_backend
         return pallas_tpu_backend
+    if implementation == "split":
+        from ls_jax.kernels.split import split_backend
+        return split_backend
     raise ValueError(
         f"implementation: expected None or one of {IMPLEMENTATIONS}, got {implementation!r}")
 
@@ -178,9 +182,11 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
       scale: logit scale, default 1 / sqrt(D) (as in ``jax.nn.dot_product_attention``).
       return_logit_stats: also return ``LogitStats`` (no gradient flows through them).
       implementation: None (the fastest backend for the platform and the case,
-        ``kernels/dispatch.py``), "reference", "cudnn", "pallas_gpu" or "pallas_tpu".
-      interpret: run a Pallas backend in Pallas interpret mode (on CPU). For "pallas_tpu" this
-        may also be a ``pltpu.InterpretParams``.
+        ``kernels/dispatch.py``), "reference", "cudnn", "pallas_gpu", "pallas_tpu" or "split"
+        (cuDNN for the global heads, "pallas_gpu" for the local ones).
+      interpret: run a Pallas backend in Pallas interpret mode (on CPU); for "split" its local
+        heads' kernel (its global heads still need cuDNN). For "pallas_tpu" this may also be a
+        ``pltpu.InterpretParams``.
 
     Returns:
       [B, T, Hq, D] in q's dtype, or ``(out, LogitStats)`` with ``return_logit_stats=True``.
@@ -190,15 +196,16 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
         if interpret:
             raise ValueError(
                 "interpret: True needs an explicit implementation, one of "
-                f"{PALLAS_IMPLEMENTATIONS}; got implementation=None")
+                f"{INTERPRET_IMPLEMENTATIONS}; got implementation=None")
         B, T, H, D = q.shape
         implementation = choose_implementation(
             window_sizes=windows, seq_len=T, head_dim=D, dtype=q.dtype,
             has_segments=segment_ids is not None, return_logit_stats=return_logit_stats)
-    elif interpret and implementation not in PALLAS_IMPLEMENTATIONS:
+    elif interpret and implementation not in INTERPRET_IMPLEMENTATIONS:
         raise ValueError(
-            f"interpret: only the Pallas backends {PALLAS_IMPLEMENTATIONS} have an interpret "
-            f"mode; got interpret={interpret!r} with implementation={implementation!r}")
+            "interpret: only the Pallas backends and 'split' (its local heads), "
+            f"{INTERPRET_IMPLEMENTATIONS}, have an interpret mode; got interpret={interpret!r} "
+            f"with implementation={implementation!r}")
     backend = get_backend(implementation)
     out, max_abs_logit = backend(
         q, k, v, window_sizes=windows, segment_ids=segment_ids, scale=scale,

@@ -7,23 +7,27 @@ Per platform:
 | cpu | any | "reference" | the pure-JAX twin (dense [B, H, T, S] logits; CPU runs are small) |
 | tpu | any | "pallas_tpu" | the only block-sparse TPU path |
 | cuda ("gpu") | every head global (window None or >= T), no logit statistics, no segment ids, bfloat16/float16, D a multiple of 8 and <= 128 | "cudnn" | full causal attention: our kernel runs at 0.81x / 0.78x of cuDNN (fwd / fwd+bwd) at n=8192 and 0.77x / 0.72x at n=32768, D=64 (H100, docs/performance.md, run F); at D=32, n=32768 it is 0.93x / 1.01x |
-| cuda ("gpu") | an LS mix at T >= 65536 with D > 64 (and <= 128, a multiple of 8), at least 1 head in 8 global, no logit statistics, no segment ids, bfloat16/float16 | "cudnn" (the composition) | the global heads' O(T^2) work dominates and cuDNN runs it faster: at D=128, n=65536, 2 global + 14 local heads, our kernel is 0.81-0.84x of the composition (fwd) and 0.87-0.89x (fwd+bwd) for p=128 and 512, while with 1 global + 15 local it is 1.08-1.13x / 1.00-1.09x and at n=32768 its fwd+bwd is still ahead (1.01-1.10x) (H100, docs/performance.md, run I) |
+| cuda ("gpu") | an LS mix (>= 1 global and >= 1 local head) at T >= 32768 with D > 64 (and <= 128, a multiple of 8), at least 1 head in 8 global, no logit statistics, no segment ids, bfloat16/float16 | "split" (kernels/split.py: cuDNN causal for the global heads, ours for the local ones) | the global heads' O(T^2) work dominates and cuDNN runs causal work faster (ours: 0.63-0.82x at D >= 64), while ours runs the local heads far faster than the composition. Estimated from run I, to be measured: about 1.15x fwd / 1.4x fwd+bwd the cuDNN composition at D=128, n=65536, 2 global + 14 local, p=128 (docs/kernel-notes.md, "Split dispatch"); run I had ours at 0.81-0.84x (fwd) / 0.87-0.89x (fwd+bwd) of the composition there, and 0.81-0.90x fwd with 2 global heads at n=32768 |
 | cuda ("gpu") | anything else | "pallas_gpu" | any local head: 2.56x / 2.50x the cuDNN composition at 1 global + 15 local, p=128, n=8192, D=64 (same run); logit statistics cost cuDNN an extra pass; cuDNN takes no segment ids or float32 |
 | rocm or other | any | error | the Pallas GPU kernel is written for CUDA (Triton) and "reference" materialises [B, H, T, S] float32 logits: the caller must choose |
 
 The D range is the one ``jax.nn.dot_product_attention(implementation="cudnn")`` accepts on
 every CUDA card (<= 128, a multiple of 8; Hopper also takes up to 256, not measured here).
+The "split" thresholds are the SPLIT_* constants below.
 """
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
 
 from ls_jax.kernels.band import WindowSizes, is_global
 
-IMPLEMENTATIONS = ("reference", "cudnn", "pallas_gpu", "pallas_tpu")
-PALLAS_IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu")
+IMPLEMENTATIONS = ("reference", "cudnn", "pallas_gpu", "pallas_tpu", "split")
+# the backends that take interpret=True: the Pallas ones, and "split" (for its local heads)
+INTERPRET_IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu", "split")
 
 # The backend of each platform when the case does not change it (see the table above).
 DEFAULT_IMPLEMENTATION = {
@@ -43,22 +47,44 @@ def current_platform() -> str:
     return platform
 
 
-# LS mixes go to the cuDNN composition from this length on, at D > 64 with >= 1 head in 8 global
-# (measured with 16 heads: 2 global is where it wins, 1 global is where it does not; run I)
-LONG_SEQ_FOR_CUDNN = 65536
+# The "split" rule (the table above), one place to edit it. An LS mix goes to "split" when
+# T >= SPLIT_MIN_SEQ_LEN, SPLIT_MIN_HEAD_DIM_EXCLUSIVE < D <= CUDNN_MAX_HEAD_DIM and at least
+# SPLIT_MIN_GLOBAL_SHARE of its heads are global (a hypothesis from run I, 16 heads: 2 global is
+# where cuDNN's causal speed pays off, 1 global is where ours alone was still ahead).
+SPLIT_MIN_SEQ_LEN = 32768
+SPLIT_MIN_HEAD_DIM_EXCLUSIVE = 64
+SPLIT_MIN_GLOBAL_SHARE = Fraction(1, 8)
+# what jax.nn.dot_product_attention(implementation="cudnn") takes on every CUDA card
+CUDNN_MAX_HEAD_DIM = 128
+CUDNN_HEAD_DIM_MULTIPLE = 8
+
+
+def cudnn_takes(head_dim: int, dtype, has_segments: bool, return_logit_stats: bool) -> bool:
+    """True for a call that cuDNN computes in one pass (no statistics, no segments, its dtypes
+    and head sizes)."""
+    return not (return_logit_stats or has_segments
+                or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
+                or head_dim % CUDNN_HEAD_DIM_MULTIPLE or head_dim > CUDNN_MAX_HEAD_DIM)
 
 
 def cudnn_fits(window_sizes: WindowSizes, seq_len: int, head_dim: int, dtype,
                has_segments: bool, return_logit_stats: bool) -> bool:
-    """True for a call where cuDNN is faster than our kernel and computes the same thing
-    (the table in this module's docstring)."""
-    if (return_logit_stats or has_segments or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
-            or head_dim % 8 or head_dim > 128):
+    """True for a call where cuDNN alone is faster than our kernel: every head global (full
+    causal), and cuDNN takes the call (the table in this module's docstring)."""
+    return (cudnn_takes(head_dim, dtype, has_segments, return_logit_stats)
+            and all(is_global(p, seq_len) for p in window_sizes))
+
+
+def split_fits(window_sizes: WindowSizes, seq_len: int, head_dim: int, dtype,
+               has_segments: bool, return_logit_stats: bool) -> bool:
+    """True for an LS mix that "split" should run: long, wide heads, enough of them global
+    (the table in this module's docstring and the SPLIT_* constants)."""
+    if not cudnn_takes(head_dim, dtype, has_segments, return_logit_stats):
         return False
     n_global = sum(is_global(p, seq_len) for p in window_sizes)
-    if n_global == len(window_sizes):
-        return True  # full causal
-    return head_dim > 64 and seq_len >= LONG_SEQ_FOR_CUDNN and 8 * n_global >= len(window_sizes)
+    return (0 < n_global < len(window_sizes) and seq_len >= SPLIT_MIN_SEQ_LEN
+            and head_dim > SPLIT_MIN_HEAD_DIM_EXCLUSIVE
+            and n_global >= SPLIT_MIN_GLOBAL_SHARE * len(window_sizes))
 
 
 def choose_implementation(platform: str | None = None, *, window_sizes: WindowSizes | None = None,
@@ -76,7 +102,10 @@ def choose_implementation(platform: str | None = None, *, window_sizes: WindowSi
             "written for CUDA and 'reference' materialises [B, H, T, T] float32 logits); pass "
             f"one of {IMPLEMENTATIONS} explicitly")
     implementation = DEFAULT_IMPLEMENTATION[platform]
-    if implementation == "pallas_gpu" and window_sizes is not None and cudnn_fits(
-            window_sizes, seq_len, head_dim, dtype, has_segments, return_logit_stats):
-        return "cudnn"
+    if implementation == "pallas_gpu" and window_sizes is not None:
+        case = (window_sizes, seq_len, head_dim, dtype, has_segments, return_logit_stats)
+        if cudnn_fits(*case):
+            return "cudnn"
+        if split_fits(*case):
+            return "split"
     return implementation

@@ -93,8 +93,9 @@ class ModelConfig:
         _check_float(s, "init_std", self.init_std, lo=0, lo_open=True)
         _check_choice(s, "param_dtype", self.param_dtype, DTYPES)
         _check_choice(s, "compute_dtype", self.compute_dtype, DTYPES)
-        impls = (None, "reference", "cudnn", "pallas_gpu", "pallas_tpu")
-        _check_choice(s, "attn_implementation", self.attn_implementation, impls)
+        from ls_jax.kernels.dispatch import IMPLEMENTATIONS
+        _check_choice(s, "attn_implementation", self.attn_implementation,
+                      (None,) + IMPLEMENTATIONS)
         _check_choice(s, "remat", self.remat, REMAT)
 
     @property

@@ -1,6 +1,7 @@
 """Which backend ``implementation=None`` picks (kernels/dispatch.py), checked on CPU by naming
 the platform: the per-case table on CUDA and no silent dense fallback elsewhere."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -37,12 +38,23 @@ def test_platform_defaults():
     ((None,) * 4, {"head_dim": 128}, "cudnn"),
     ((None,) * 4, {"head_dim": 256}, "pallas_gpu"),   # beyond cuDNN's range on every card
     ((None,) * 4, {"head_dim": 36}, "pallas_gpu"),    # not a multiple of 8
-    # long LS mixes whose global heads dominate go to the cuDNN composition (run I, H100)
-    ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 128}, "cudnn"),
-    ((None,) * 2 + (512,) * 14, {"seq_len": 131072, "head_dim": 128}, "cudnn"),
+    # long LS mixes whose global heads dominate go to "split": cuDNN causal for the global
+    # heads, ours for the local ones (dispatch.SPLIT_*; estimated from run I, H100)
+    ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 128}, "split"),
+    ((None,) * 2 + (512,) * 14, {"seq_len": 131072, "head_dim": 128}, "split"),
+    ((None,) * 2 + (128,) * 14, {"seq_len": 32768, "head_dim": 128}, "split"),  # T edge
+    ((None,) * 2 + (128,) * 14, {"seq_len": 32767, "head_dim": 128}, "pallas_gpu"),
     ((None,) + (128,) * 15, {"seq_len": 65536, "head_dim": 128}, "pallas_gpu"),  # 1 in 16
-    ((None,) * 2 + (128,) * 14, {"seq_len": 32768, "head_dim": 128}, "pallas_gpu"),
+    ((None,) + (128,) * 7, {"seq_len": 65536, "head_dim": 128}, "split"),  # 1 in 8: the edge
+    ((None, 128, None, 128), {"seq_len": 32768, "head_dim": 128}, "split"),  # interleaved
+    ((None, 40000) + (128,) * 6, {"seq_len": 32768, "head_dim": 128}, "split"),  # p >= T
+    ((128,) * 16, {"seq_len": 65536, "head_dim": 128}, "pallas_gpu"),  # no global head
+    ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 72}, "split"),  # D edge
     ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 64}, "pallas_gpu"),
+    ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 100}, "pallas_gpu"),  # % 8
+    ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 136}, "pallas_gpu"),  # > 128
+    ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 128,
+                                 "dtype": jnp.float16}, "split"),
     ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 128,
                                  "return_logit_stats": True}, "pallas_gpu"),
     ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 128,
@@ -79,7 +91,10 @@ def test_ls_attention_follows_the_rule(monkeypatch):
     ls_attention(q, q, q, (None, None), return_logit_stats=True)
     ls_attention(q, q, q, (None, None), segment_ids=jnp.zeros((1, 16), jnp.int32))
     ls_attention(q, q, q, (None, None), implementation="reference")
-    assert picked == ["cudnn", "pallas_gpu", "pallas_gpu", "pallas_gpu", "reference"]
+    # a long LS mix, traced abstractly (nothing of that size is allocated)
+    jax.eval_shape(lambda q: ls_attention(q, q, q, (None, 128)),
+                   jax.ShapeDtypeStruct((1, 32768, 2, 128), jnp.bfloat16))
+    assert picked == ["cudnn", "pallas_gpu", "pallas_gpu", "pallas_gpu", "reference", "split"]
 
     monkeypatch.setattr(dispatch, "current_platform", lambda: "rocm")
     with pytest.raises(ValueError, match=r"implementation: no default backend on platform "
@@ -90,7 +105,6 @@ def test_ls_attention_follows_the_rule(monkeypatch):
 
 @pytest.mark.gpu
 def test_cuda_default_runs_cudnn_for_all_global_and_matches_reference():
-    import jax
     import numpy as np
 
     from ls_jax.kernels.reference import reference_attention_parts

@@ -1,0 +1,148 @@
+"""The "split" backend (GPU): cuDNN's causal kernel for the global heads, ours for the local ones.
+
+Our kernel runs full-causal work slower than cuDNN at D >= 64 and local heads much faster than
+the cuDNN composition (docs/kernel-notes.md, "Split dispatch"), so this backend makes two calls:
+
+* the global heads (``kernels.band.is_global``: window None or >= T) in ONE
+  ``jax.nn.dot_product_attention(..., is_causal=True, implementation="cudnn")`` call;
+* the local heads in ONE ``pallas_gpu_attention`` call with their windows;
+
+and puts the two outputs back in head order. Heads are taken out and put back as runs of
+consecutive heads (slices and one concatenate, never a gather): with the global heads first,
+as the model lays them out, that is one slice per part and one concatenate. A call with only
+global (only local) heads is the single cuDNN (Pallas) call.
+
+GQA/MQA: each part keeps its key/value heads grouped where it can. If every kv head that a
+part touches serves the same number of that part's query heads (always so when the
+global/local boundary falls between kv groups, and also when e.g. each group holds one global
+head), the part gets just those kv heads and runs as GQA. Otherwise (a group shared unevenly)
+the part gets one kv head per query head (the ``repeat_kv`` expansion, restricted to its
+heads); the gradients of shared kv heads are summed by autodiff either way.
+
+Logit statistics: the local heads' come from our kernel, the global heads' from one extra
+blockwise pass over their QK^T (``kernels.reference.blockwise_max_abs_logit``, as the cuDNN
+composition does), merged into [H] in head order. Not supported: ``segment_ids`` (cuDNN's
+causal call takes none) and float32 (cuDNN takes bfloat16/float16 only).
+
+``interpret=True`` runs the local heads' kernel in Pallas interpret mode; the global heads
+still go to cuDNN (``_global_causal_attention``, the one place that calls it, which CPU tests
+replace with the reference).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ls_jax.kernels.band import WindowSizes, is_global
+from ls_jax.kernels.pallas_gpu import pallas_gpu_attention
+from ls_jax.kernels.reference import blockwise_max_abs_logit
+
+__all__ = ["split_backend", "split_heads"]
+
+
+def split_heads(window_sizes: WindowSizes, seq_len: int) -> tuple[list[int], list[int]]:
+    """(global heads, local heads), each in head order."""
+    glob = [h for h, p in enumerate(window_sizes) if is_global(p, seq_len)]
+    local = [h for h, p in enumerate(window_sizes) if not is_global(p, seq_len)]
+    return glob, local
+
+
+def _runs(indices) -> list[tuple[int, int]]:
+    """[(start, stop)] maximal runs of consecutive values in ``indices``, in order."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _take_heads(x_BxTxNxD, heads, axis: int = 2):
+    """x's heads ``heads`` (in that order) along ``axis``: slices of runs, one concatenate."""
+    if list(heads) == list(range(x_BxTxNxD.shape[axis])):
+        return x_BxTxNxD
+    parts = [jax.lax.slice_in_dim(x_BxTxNxD, a, b, axis=axis) for a, b in _runs(heads)]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
+
+
+def _merge_heads(parts, heads_of_parts, axis: int = 2):
+    """The inverse of taking ``heads_of_parts[i]`` into ``parts[i]``: every head back at its
+    place along ``axis``, as one concatenate of runs (slices of the parts)."""
+    where = {}
+    for i, heads in enumerate(heads_of_parts):
+        for pos, h in enumerate(heads):
+            where[h] = (i, pos)
+    pieces: list[tuple[int, int, int]] = []  # (part, first position, stop position)
+    for h in range(len(where)):
+        i, pos = where[h]
+        if pieces and pieces[-1][0] == i and pieces[-1][2] == pos:
+            pieces[-1] = (i, pieces[-1][1], pos + 1)
+        else:
+            pieces.append((i, pos, pos + 1))
+    out = [parts[i] if (a, b) == (0, parts[i].shape[axis])
+           else jax.lax.slice_in_dim(parts[i], a, b, axis=axis) for i, a, b in pieces]
+    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=axis)
+
+
+def _kv_for_heads(k, v, heads, num_q_heads: int):
+    """(k, v) for the query heads ``heads`` (in order) of a call with ``num_q_heads`` query
+    heads: their kv groups kept whole where each touched kv head serves the same number of
+    ``heads``, else one kv head per query head (see the module docstring)."""
+    group = num_q_heads // k.shape[2]
+    kv_of = [h // group for h in heads]
+    touched = sorted(set(kv_of))
+    counts = {g: kv_of.count(g) for g in touched}
+    if len(set(counts.values())) == 1:
+        kv_heads = touched  # heads in order, so head i of the part reads touched[i // count]
+    else:
+        kv_heads = kv_of
+    return _take_heads(k, kv_heads), _take_heads(v, kv_heads)
+
+
+def _global_causal_attention(q, k, v, scale: float):
+    """Causal attention of every head of q (k, v: GQA allowed) through cuDNN. The one call
+    into cuDNN of this backend; CPU tests replace it with the reference."""
+    if not isinstance(q, jax.core.Tracer) and jax.default_backend() != "gpu":
+        raise ValueError(
+            "implementation='split' runs its global heads through cuDNN and needs a CUDA GPU "
+            f"(JAX backend 'gpu'), got backend {jax.default_backend()!r}; use "
+            "implementation='pallas_gpu' (interpret=True on CPU) or 'reference'")
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                        implementation="cudnn")
+
+
+def split_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_stats,
+                  interpret, config=None):
+    """The "split" backend (``kernels.api.get_backend``); ``config`` (a
+    ``pallas_gpu.KernelConfig``) overrides the local heads' kernel tiles."""
+    if segment_ids is not None:
+        raise NotImplementedError(
+            "segment_ids: implementation='split' does not support segment_ids (cuDNN's causal "
+            "call takes none); use implementation='pallas_gpu' or 'reference'")
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"q: implementation='split' needs bfloat16 or float16, got {q.dtype}")
+    B, T, H, D = q.shape
+    glob, local = split_heads(window_sizes, T)
+    outs, stats, parts_heads = [], [], []
+    if glob:
+        q_g = _take_heads(q, glob)
+        k_g, v_g = _kv_for_heads(k, v, glob, H)
+        outs.append(_global_causal_attention(q_g, k_g, v_g, scale))
+        if return_logit_stats:
+            stats.append(blockwise_max_abs_logit(q_g, k_g, (None,) * len(glob), None, scale))
+        parts_heads.append(glob)
+    if local:
+        k_l, v_l = _kv_for_heads(k, v, local, H)
+        out_l, stats_l = pallas_gpu_attention(
+            _take_heads(q, local), k_l, v_l, tuple(window_sizes[h] for h in local),
+            scale=scale, return_logit_stats=return_logit_stats, config=config,
+            interpret=interpret)
+        outs.append(out_l)
+        stats.append(stats_l)
+        parts_heads.append(local)
+    out = _merge_heads(outs, parts_heads)
+    if not return_logit_stats:
+        return out, None
+    return out, _merge_heads([s.astype(jnp.float32) for s in stats], parts_heads, axis=0)

@@ -173,6 +173,15 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
         config = dataclasses.replace(config, fwd_num_warps=8, bwd_num_warps=8)
     # LS mixes keep 4 warps at D=128: with 8 (the earlier default for D > 64) the 1 global +
     # 15 local forward at p=512 took 1.243 ms against 0.627 ms (H100, docs/performance.md run H)
+    has_global = window_sizes is None or any(
+        p is None or (seq_len is not None and is_global(p, seq_len)) for p in window_sizes)
+    if has_global:
+        # the Hopper forward (forward_mosaic.py; Triton where it does not fit: other GPUs,
+        # float32, D not a multiple of 64, segment ids) for the global heads. H100, run J:
+        # all global 1.00x cuDNN's forward (Triton 0.79x), D=64 and 128; LS mixes 4-35% faster
+        # than the Triton forward (docs/kernel-notes.md). 128-key blocks: 1.33 vs 1.73 ms (64)
+        config = dataclasses.replace(config, fwd_lowering="mosaic" if all_global else "mixed",
+                                     mosaic_block_k=128)
     return config
 
 

@@ -334,8 +334,8 @@ def test_gpu_float32_matches_reference():
 # ---------------------------------------------------------------------------------------------
 # The Hopper forward (``forward_mosaic.py``): the Mosaic GPU kernel, with the Triton backward.
 
-def mosaic_config(block_q=64, block_k=64, stages=2, lowering="mosaic"):
-    return KernelConfig(fwd_lowering=lowering, mosaic_block_q=block_q, mosaic_block_k=block_k,
+def mosaic_config(block_q=64, block_k=64, stages=2, lowering="mosaic", bwd="triton"):
+    return KernelConfig(fwd_lowering=lowering, bwd_lowering=bwd, mosaic_block_q=block_q, mosaic_block_k=block_k,
                         mosaic_stages=stages, fwd_block_q=16, fwd_block_k=16, dq_block_q=16,
                         dq_block_k=16, dkdv_block_q=16, dkdv_block_k=16)
 
@@ -375,14 +375,20 @@ class TestMosaicInterpret:
         assert rel_err(lse, want_lse) < 1e-5
         np.testing.assert_allclose(max_abs, want_max, rtol=1e-5)
 
-    def test_gradients_through_the_triton_backward(self):
-        B, T, Hq, Hkv, D, windows = 1, 136, 3, 1, 64, (None, 20, None)
+    @pytest.mark.parametrize("bwd,Hkv,windows", [
+        ("triton", 1, (None, 20, None)),        # the Mosaic forward, the Triton backward
+        ("mosaic", 3, (None, 20, 64)),          # every head on the Mosaic backward
+        ("mosaic", 1, (None, None, 130)),       # GQA: dK/dV per query head, summed
+        ("mixed", 3, (None, 20, None)),         # global heads Mosaic, local heads Triton
+    ], ids=["bwd-triton", "bwd-mosaic", "bwd-mosaic-mqa", "bwd-mixed"])
+    def test_gradients_match_reference(self, bwd, Hkv, windows):
+        B, T, Hq, D = 1, 200, 3, 64
         q, k, v, do = random_inputs(np.random.default_rng(3), B, T, Hq, Hkv, D, jnp.bfloat16)
         f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
 
         def ours(q, k, v):
             out, _ = pallas_gpu_attention(q, k, v, windows, config=mosaic_config(
-                lowering="mixed"), interpret=True)
+                lowering="mixed", bwd=bwd), interpret=True)
             return jnp.sum(out.astype(jnp.float32) * f32[3])
 
         def ref(q, k, v):
@@ -419,6 +425,10 @@ MOSAIC_GPU_CASES = [
     (1, 4096, 4, 4, 64, (None,) * 4, (64, 128, 3)),
     (2, 1000, 4, 2, 128, (None, 64, 1, 300), (64, 64, 4)),
     (2, 2048, 8, 4, 64, (None, 128, None, 50, 128, 128, 1, 2048), (64, 128, 2, "mixed")),
+    # the Mosaic backward: every head (GQA: per query head, summed), and mixed
+    (1, 4096, 4, 4, 64, (None,) * 4, (64, 128, 3, "mosaic", "mosaic")),
+    (1, 3000, 8, 2, 128, (None, 50, 512, 1, None, 128, 3000, 7), (64, 128, 2, "mosaic", "mosaic")),
+    (2, 2048, 8, 8, 128, (None, 128, None, 50, 128, 128, 1, 2048), (64, 128, 2, "mixed", "mixed")),
 ]
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ls_jax.kernels.band import WindowSizes
-from ls_jax.kernels.pallas_gpu.backward import dkdv_call, dq_call
+from ls_jax.kernels.pallas_gpu.backward import backward_call
 from ls_jax.kernels.pallas_gpu.forward import forward_call
 from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, KernelConfig, make_plan
 from ls_jax.kernels.reference import default_scale
@@ -38,9 +38,7 @@ def _padded_attention_fwd(plan: AttentionPlan, q, k, v, segment_ids):
 def _padded_attention_bwd(plan: AttentionPlan, residuals, cotangents):
     q, k, v, segment_ids, out, lse2 = residuals
     do, _ = cotangents
-    do = do.astype(q.dtype)
-    dq, delta = dq_call(plan, q, k, v, segment_ids, do, out, lse2)
-    dk, dv = dkdv_call(plan, q, k, v, segment_ids, do, lse2, delta)
+    dq, dk, dv = backward_call(plan, q, k, v, segment_ids, do.astype(q.dtype), out, lse2)
     return dq, dk, dv, None
 
 

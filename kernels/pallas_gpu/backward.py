@@ -23,9 +23,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ls_jax.kernels.band import is_global
+from ls_jax.kernels.pallas_gpu.backward_mosaic import dkdv_call_mosaic, dq_call_mosaic
+from ls_jax.kernels.pallas_gpu.mosaic_ring import mosaic_fits
 from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, ClassPaths, TilePath
 from ls_jax.kernels.pallas_gpu.tiles import (LOG2_E, allowed_KxQ, allowed_QxK, mask_scores,
                                              run_band_loop, run_by_class, split_kv_loop,
@@ -84,10 +88,11 @@ class _DqProgram:
 
 def _dq_kernel(schedule_ref, head_ref, q_ref, k_ref, v_ref, *refs, paths: ClassPaths,
                num_slots: int, group: int, seq_len: int, score_scale: float, scale: float,
-               has_segments: bool, delta_in_kernel: bool):
+               has_segments: bool, delta_in_kernel: bool, num_prefilled: int = 0):
     segment_ref = o_ref = delta_ref = delta_out_ref = None
     if has_segments:
         segment_ref, *refs = refs
+    refs = refs[:3] + refs[3 + num_prefilled:]  # aliased inputs (unread) sit before the outputs
     if delta_in_kernel:
         do_ref, o_ref, lse_ref, dq_ref, delta_out_ref = refs
     else:
@@ -167,10 +172,11 @@ class _DkdvProgram:
 
 def _dkdv_kernel(schedule_ref, window_ref, kv_class_ref, q_ref, k_ref, v_ref, *refs,
                  paths: ClassPaths, num_slots: int, group: int, seq_len: int,
-                 score_scale: float, scale: float, has_segments: bool):
+                 score_scale: float, scale: float, has_segments: bool, num_prefilled: int = 0):
     segment_ref = None
     if has_segments:
         segment_ref, *refs = refs
+    refs = refs[:3] + refs[3 + num_prefilled:]  # aliased inputs (unread) sit before the outputs
     do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
 
     b = pl.program_id(0)
@@ -194,52 +200,114 @@ def _compiler_params(plan: AttentionPlan):
                                 num_stages=plan.config.bwd_num_stages)
 
 
-def dq_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
+def _only(schedule: np.ndarray, num_slots: int, heads) -> np.ndarray:
+    """The items of ``schedule`` whose head (query head, or kv head for dK/dV) is in heads."""
+    return schedule if heads is None else schedule[np.isin(schedule // num_slots, heads)]
+
+
+def dq_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2, *, delta=None,
+            prefilled=None, heads=None):
     """Runs the dQ kernel on padded inputs; returns (dq [B, Tp, H, Dp] in q's dtype, delta
     float32 [B, H, Tp]).
 
     q, do, out: [B, Tp, H, Dp]; k, v: [B, Tp, G, Dp]; lse2: float32 [B, H, Tp]. With
     ``plan.config.delta_in_kernel`` the kernel computes ``delta = rowsum(out * do)`` from its
-    tiles, else one XLA reduction does, before the kernel.
+    tiles, else one XLA reduction does, before the kernel; a given ``delta`` is used as is.
+    ``heads``: compute only these query heads, into ``prefilled`` (a dq whose other heads
+    another kernel wrote; aliased to the output).
     """
     B, Tp, H, Dp = q.shape
     programs = plan.query_plan("dq")
-    schedule = jnp.asarray(programs.schedule)
+    schedule = jnp.asarray(_only(programs.schedule, programs.num_slots, heads))
     head_table = jnp.stack([jnp.asarray(plan.window_table(), jnp.int32),
                             jnp.asarray(programs.head_class)])
     seg = [] if segment_ids is None else [segment_ids]
-    delta_in_kernel = plan.config.delta_in_kernel
-    call = functools.partial(
-        pl.pallas_call,
-        functools.partial(_dq_kernel, paths=programs.paths, num_slots=programs.num_slots,
-                          delta_in_kernel=delta_in_kernel, has_segments=segment_ids is not None,
-                          **_common(plan, q, k)),
-        grid=(B, schedule.shape[0]), compiler_params=_compiler_params(plan),
-        interpret=plan.interpret, name="ls_attention_bwd_dq")
-    inputs = (schedule, head_table, q, k, v, *seg, do)
+    delta_in_kernel = plan.config.delta_in_kernel and delta is None
+    aliased = [] if prefilled is None else [prefilled]
+
+    def call(out_shape, *args):
+        inputs = (schedule, head_table, q, k, v, *seg, do, *args)
+        return pl.pallas_call(
+            functools.partial(_dq_kernel, paths=programs.paths, num_slots=programs.num_slots,
+                              delta_in_kernel=delta_in_kernel,
+                              has_segments=segment_ids is not None,
+                              num_prefilled=len(aliased), **_common(plan, q, k)),
+            grid=(B, schedule.shape[0]), compiler_params=_compiler_params(plan),
+            interpret=plan.interpret, name="ls_attention_bwd_dq", out_shape=out_shape,
+            input_output_aliases={len(inputs) + i: i for i in range(len(aliased))},
+        )(*inputs, *aliased)
+
     dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     if delta_in_kernel:
-        return call(out_shape=[dq_shape, jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)])(
-            *inputs, out, lse2)
-    delta = jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
-    return call(out_shape=dq_shape)(*inputs, lse2, delta), delta
+        return call([dq_shape, jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)], out, lse2)
+    if delta is None:
+        delta = row_delta(out, do)
+    return call(dq_shape, lse2, delta), delta
 
 
-def dkdv_call(plan: AttentionPlan, q, k, v, segment_ids, do, lse2, delta):
+def row_delta(out, do):
+    """float32 [B, H, Tp]: ``delta = rowsum(O * dO)`` (one XLA reduction)."""
+    return jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
+
+
+def dkdv_call(plan: AttentionPlan, q, k, v, segment_ids, do, lse2, delta, *, prefilled=None,
+              kv_heads=None):
     """Runs the dK/dV kernel on padded inputs; returns dk and dv [B, Tp, G, Dp] in k's dtype,
-    summed over each kv head's query heads. delta: float32 [B, H, Tp] from ``dq_call``."""
+    summed over each kv head's query heads. delta: float32 [B, H, Tp] from ``dq_call``.
+    ``kv_heads``: compute only these kv heads, into ``prefilled`` = (dk, dv) (aliased)."""
     B = q.shape[0]
     programs = plan.key_plan()
-    schedule = jnp.asarray(programs.schedule)
+    schedule = jnp.asarray(_only(programs.schedule, programs.num_slots, kv_heads))
     seg = [] if segment_ids is None else [segment_ids]
+    aliased = [] if prefilled is None else list(prefilled)
+    inputs = (schedule, jnp.asarray(plan.window_table(), jnp.int32),
+              jnp.asarray(programs.head_class), q, k, v, *seg, do, lse2, delta)
     return pl.pallas_call(
         functools.partial(_dkdv_kernel, paths=programs.paths, num_slots=programs.num_slots,
-                          has_segments=segment_ids is not None, **_common(plan, q, k)),
+                          has_segments=segment_ids is not None, num_prefilled=len(aliased),
+                          **_common(plan, q, k)),
         grid=(B, schedule.shape[0]),
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                    jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_compiler_params(plan),
         interpret=plan.interpret,
+        input_output_aliases={len(inputs) + i: i for i in range(len(aliased))},
         name="ls_attention_bwd_dkdv",
-    )(schedule, jnp.asarray(plan.window_table(), jnp.int32), jnp.asarray(programs.head_class),
-      q, k, v, *seg, do, lse2, delta)
+    )(*inputs, *aliased)
+
+
+def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
+    """(dq, dk, dv) on padded inputs, by the lowering ``plan.config.bwd_lowering`` picks.
+
+    "triton": the two kernels above. "mosaic": ``backward_mosaic.py`` for every head (dK/dV
+    per query head, summed over each GQA group here). "mixed": the Mosaic kernels for the
+    global heads, then the Triton kernels for the local heads into the same buffers; only
+    with one kv head per query head (a GQA group may mix both kinds), else all Triton. Calls
+    the Mosaic kernels cannot run (``mosaic_ring.mosaic_fits``) take the Triton kernels.
+    """
+    B, Tp, H, Dp = q.shape
+    G = k.shape[2]
+    lowering = plan.config.bwd_lowering
+    if lowering != "triton" and mosaic_fits(q.dtype, Dp, segment_ids is not None,
+                                            plan.interpret):
+        wide = tuple(h for h, w in enumerate(plan.window_table()) if is_global(w, Tp))
+        delta = row_delta(out, do)
+        if lowering == "mosaic" or len(wide) == H:
+            dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta)
+            dk, dv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta)
+            if G < H:  # sum each group's query heads
+                dk, dv = (x.reshape(B, Tp, G, H // G, Dp).astype(jnp.float32).sum(axis=3)
+                          .astype(k.dtype) for x in (dk, dv))
+            return dq, dk, dv
+        if wide and G == H:
+            local = [h for h in range(H) if h not in wide]
+            dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
+            dkdv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
+            dq, _ = dq_call(plan, q, k, v, segment_ids, do, out, lse2, delta=delta,
+                            prefilled=dq, heads=local)
+            dk, dv = dkdv_call(plan, q, k, v, segment_ids, do, lse2, delta, prefilled=dkdv,
+                               kv_heads=local)
+            return dq, dk, dv
+    dq, delta = dq_call(plan, q, k, v, segment_ids, do, out, lse2)
+    dk, dv = dkdv_call(plan, q, k, v, segment_ids, do, lse2, delta)
+    return dq, dk, dv

@@ -23,7 +23,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ls_jax.kernels.band import is_global
-from ls_jax.kernels.pallas_gpu.forward_mosaic import forward_call_mosaic, mosaic_fits
+from ls_jax.kernels.pallas_gpu.forward_mosaic import forward_call_mosaic
+from ls_jax.kernels.pallas_gpu.mosaic_ring import mosaic_fits
 from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, ClassPaths, TilePath
 from ls_jax.kernels.pallas_gpu.tiles import (LOG2_E, MASKED_SCORE, MAX_FLOOR, allowed_QxK,
                                              mask_scores, run_band_loop, run_by_class,
@@ -139,7 +140,7 @@ def forward_call(plan: AttentionPlan, q, k, v, segment_ids):
       out [B, Tp, H, Dp] in q.dtype, lse2 float32 [B, H, Tp] (log2 domain: natural lse
       times log2(e)), and with ``plan.logit_stats`` float32 [B, H, Tp] max |logit| of each row.
 
-    With ``config.fwd_lowering`` "mosaic", calls that fit it (``forward_mosaic.mosaic_fits``)
+    With ``config.fwd_lowering`` "mosaic", calls that fit it (``mosaic_ring.mosaic_fits``)
     run the Hopper kernel of ``forward_mosaic.py`` instead (same outputs); with "mixed" only
     their global heads do (a first launch) and this kernel computes the local heads into the
     same buffers (a second launch, outputs aliased to the first's).

@@ -41,53 +41,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import allowed, kv_block_range, kv_full_block_range
+from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMERS, band_loops, clamp_ranges, mma,
+                                                   pick, produce, ring_slot, tile_iota)
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR
-
-# the lowering's constraints (why a call may not take this path: ``mosaic_fits``)
-MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
-MOSAIC_HEAD_DIM = 64  # head size must be a multiple of this (128-byte swizzled rows)
-_CONSUMERS = 2
-
-
-def is_hopper() -> bool:
-    """True when JAX's first device is a Hopper GPU (compute capability 9.x): the kernel's
-    wgmma instructions exist only there."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")
-                                               ).startswith("9.")
-
-
-def mosaic_fits(dtype, head_dim: int, has_segments: bool, interpret: bool = False) -> bool:
-    """True when the Mosaic GPU forward can run the call (else the Triton forward does):
-    bfloat16/float16, head size a multiple of 64, no segment ids, on a Hopper GPU (or in
-    interpret mode)."""
-    return (jnp.dtype(dtype) in tuple(map(jnp.dtype, MOSAIC_DTYPES))
-            and head_dim % MOSAIC_HEAD_DIM == 0 and not has_segments
-            and (interpret or is_hopper()))
-
-
-def _pick(i, values: tuple[int, ...]):
-    """int32 scalar: ``values[i]`` for a traced index ``i`` into a short static tuple."""
-    if values == tuple(range(len(values))):
-        return i
-    value = jnp.int32(values[0])
-    if len(set(values)) > 1:
-        for k, v in enumerate(values[1:], start=1):
-            value = jnp.where(i == k, jnp.int32(v), value)
-    return value
-
-
-def _pv_update(acc_QxD, p_QxK, v_smem_KxD, interpret: bool):
-    """acc + p @ v, p in registers, v in shared memory, on the tensor cores (asynchronous
-    wgmma into the accumulator). Pallas' GPU interpreter takes neither a register operand nor
-    ``pl.run_state`` on an accumulator: there the product is a plain dot of the same operands."""
-    if interpret:
-        return acc_QxD + jnp.dot(p_QxK, v_smem_KxD[...], preferred_element_type=jnp.float32)
-
-    def accumulate(acc_ref):
-        plgpu.wgmma(acc_ref, p_QxK, v_smem_KxD)
-    return pl.run_state(accumulate)(plgpu.ACC.init(acc_QxD))
-
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
             block_q, block_k, stages, num_tiles, seq_len, score_scale, scale, with_stats,
@@ -97,10 +53,10 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
     k_loaded, v_loaded, q_loaded = loaded
     k_free, v_free = freed
     b = lax.axis_index("batch")
-    h = _pick(lax.axis_index("heads"), heads)
+    h = pick(lax.axis_index("heads"), heads)
     tile = num_tiles - 1 - lax.axis_index("q_seq")  # longest rows first
     wg = lax.axis_index("wg")
-    window = _pick(lax.axis_index("heads"), windows)
+    window = pick(lax.axis_index("heads"), windows)
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
     c = score_scale
@@ -115,9 +71,9 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
         plgpu.barrier_wait(turn)
 
     def slot_of(j):
-        return lax.rem(j - union_first, jnp.int32(stages))
+        return ring_slot(j, union_first, stages)
 
-    @pl.when(wg < _CONSUMERS)
+    @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         q_block = 2 * tile + wg
@@ -127,10 +83,9 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
                                 q_loaded.at[wg])
         plgpu.barrier_wait(q_loaded.at[wg])
 
-        first, end = kv_block_range(q_block, block_q, block_k, window, seq_len)
-        full_first, full_end = kv_full_block_range(q_block, block_q, block_k, window, seq_len)
-        lo = jnp.clip(full_first, first, end)
-        hi = jnp.clip(full_end, lo, end)
+        ranges = clamp_ranges(
+            *kv_block_range(q_block, block_q, block_k, window, seq_len),
+            *kv_full_block_range(q_block, block_q, block_k, window, seq_len))
 
         def row_vector(value):
             return plgpu.layout_cast(jnp.full((block_q,), value, jnp.float32),
@@ -159,17 +114,14 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
 
             def scores(s_ref):
                 plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-                take_turn()
+                take_turn()  # overlaps the other consumer's softmax with this wgmma
                 return s_ref[...]
 
             s_QxK = pl.run_scoped(scores, plgpu.ACC((block_q, block_k), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
             if masked:
-                i_QxK = q_first + plgpu.broadcasted_iota(
-                    jnp.int32, (block_q, block_k), 0, layout=plgpu.Layout.WGMMA)
-                j_QxK = j * block_k + plgpu.broadcasted_iota(
-                    jnp.int32, (block_q, block_k), 1, layout=plgpu.Layout.WGMMA)
-                ok_QxK = allowed(i_QxK, j_QxK, window)
+                ok_QxK = allowed(q_first + tile_iota(block_q, block_k, 0),
+                                 j * block_k + tile_iota(block_q, block_k, 1), window)
                 s_QxK = jnp.where(ok_QxK, s_QxK, MASKED_SCORE)
             # scaled running max, floored (see tiles.py: a fully masked row gets p = 0)
             m_new_Q = jnp.maximum(m_Q, jnp.maximum(s_QxK.max(axis=1) * c, MAX_FLOOR))
@@ -184,18 +136,13 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
             plgpu.barrier_arrive(turn)  # softmax done: the other consumer may compute
             plgpu.barrier_wait(v_loaded.at[slot])
             plgpu.barrier_wait(turn)  # the tensor cores are ours again
-            acc_QxD = _pv_update(acc_QxD, p_QxK, v_smem.at[slot], interpret)
+            acc_QxD = mma(acc_QxD, p_QxK, v_smem.at[slot], transpose_b=False,
+                          interpret=interpret)
             plgpu.barrier_arrive(v_free.at[slot])
             return (acc_QxD, m_new_Q, l_Q, *min_Q)
 
-        masked_step = functools.partial(step, masked=True)
-        plain_step = functools.partial(step, masked=False)
         pl.when(wg == 1)(take_turn)  # consumer 1 starts half a step behind
-        lax.fori_loop(union_first, first, skip, None)
-        carry = lax.fori_loop(first, lo, masked_step, carry)
-        carry = lax.fori_loop(lo, hi, plain_step, carry)
-        carry = lax.fori_loop(hi, end, masked_step, carry)
-        lax.fori_loop(end, union_end, skip, None)
+        carry = band_loops(union_first, union_end, ranges, skip, step, carry)
         pl.when(wg == 0)(take_turn)
 
         acc_QxD, m_Q, l_Q, *min_Q = carry
@@ -214,7 +161,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
             plgpu.copy_smem_to_gmem(stat_smem, stat_ref.at[b, h, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == _CONSUMERS)
+    @pl.when(wg == CONSUMERS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
         kv_head = lax.div(h, jnp.int32(group))
@@ -224,28 +171,16 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
             plgpu.copy_gmem_to_smem(k_ref.at[cols], k_smem.at[slot], k_loaded.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[cols], v_smem.at[slot], v_loaded.at[slot])
 
-        for s in range(stages):  # fill the ring
-            pl.when(s < num_steps)(functools.partial(load, union_first + s, s))
-
-        def refill(j, _):
-            slot = slot_of(j)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            load(j, slot)
-
-        lax.fori_loop(union_first + stages, union_end, refill, None)
-
-        def drain(j, _):  # the last blocks' releases: every phase of a barrier is observed
-            slot = slot_of(j)
+        def wait_free(slot):
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
 
-        lax.fori_loop(jnp.maximum(union_end - stages, union_first), union_end, drain, None)
+        produce(union_first, union_end, stages, load, wait_free)
 
 
 def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
     """The Mosaic GPU forward on padded inputs: same arguments (no segment ids) and outputs as
-    ``forward.forward_call``. Needs ``mosaic_fits`` and Tp a multiple of 2 * block_q and of
+    ``forward.forward_call``. Needs ``mosaic_ring.mosaic_fits`` and Tp a multiple of 2 * block_q and of
     block_k (``make_plan`` pads so).
 
     heads: the query heads to compute (default all); the other heads' rows of the outputs are
@@ -255,8 +190,8 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
     G = k.shape[2]
     cfg = plan.config
     block_q, block_k, stages = cfg.mosaic_block_q, cfg.mosaic_block_k, cfg.mosaic_stages
-    num_tiles = Tp // (_CONSUMERS * block_q)
-    assert num_tiles * _CONSUMERS * block_q == Tp and Tp % block_k == 0, (Tp, block_q, block_k)
+    num_tiles = Tp // (CONSUMERS * block_q)
+    assert num_tiles * CONSUMERS * block_q == Tp and Tp % block_k == 0, (Tp, block_q, block_k)
     with_stats = plan.logit_stats
     interpret = plan.interpret
     heads = tuple(range(H)) if heads is None else tuple(heads)
@@ -264,9 +199,9 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
 
     def entry(q_ref, k_ref, v_ref, out_ref, lse_ref, *stat):
         transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        rows = plgpu.SMEM((_CONSUMERS, block_q), jnp.float32)
+        rows = plgpu.SMEM((CONSUMERS, block_q), jnp.float32)
         scratch = [
-            plgpu.SMEM((_CONSUMERS, block_q, Dp), q.dtype, transforms=transforms),
+            plgpu.SMEM((CONSUMERS, block_q, Dp), q.dtype, transforms=transforms),
             plgpu.SMEM((stages, block_k, Dp), q.dtype, transforms=transforms),
             plgpu.SMEM((stages, block_k, Dp), q.dtype, transforms=transforms),
             rows,
@@ -281,9 +216,9 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
             lambda *scoped: body(scoped),
             scratch,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=_CONSUMERS)),
-            (plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),) * 2,
-            plgpu.Barrier(num_arrivals=_CONSUMERS),
+             plgpu.Barrier(num_barriers=CONSUMERS)),
+            (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=CONSUMERS),
             collective_axes="wg",
         )
 
@@ -300,7 +235,7 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
         out_type=out_type,
         grid=(len(heads), num_tiles, B),
         grid_names=("heads", "q_seq", "batch"),
-        num_threads=_CONSUMERS + 1,
+        num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **extra,

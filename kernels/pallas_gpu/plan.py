@@ -23,7 +23,7 @@ from ls_jax.kernels.band import (WindowSizes, cdiv, effective_windows, is_global
                                  kv_block_range, q_block_range)
 
 LOOP_MODES = ("split", "cond", "masked")
-FWD_LOWERINGS = ("triton", "mosaic", "mixed")
+LOWERINGS = ("triton", "mosaic", "mixed")
 
 _BLOCK_FIELDS = ("fwd_block_q", "fwd_block_k", "dq_block_q", "dq_block_k", "dkdv_block_q",
                  "dkdv_block_k")
@@ -64,9 +64,12 @@ class KernelConfig:
     delta_in_kernel: the dQ kernel computes ``delta = rowsum(O * dO)`` (else an XLA pass).
     fwd_lowering: "triton" (``forward.py``), "mosaic" (``forward_mosaic.py``, the Hopper
     forward) or "mixed" (the Hopper forward for the global heads, Triton for the local ones);
-    where ``forward_mosaic.mosaic_fits`` says no, the Triton forward runs every head;
+    where ``mosaic_ring.mosaic_fits`` says no, the Triton forward runs every head;
     mosaic_block_q: query rows per consumer warpgroup (a tile is twice that), mosaic_block_k:
     keys per block, mosaic_stages: key/value blocks in flight (multiples of 64; stages >= 2).
+    bwd_lowering: the same choice for the backward ("mixed" needs one kv head per query head,
+    else the Triton kernels run every head): ``backward_mosaic.py`` with blocks
+    mosaic_bwd_block_q x mosaic_bwd_block_k (a consumer owns one block of its side).
     """
 
     fwd_block_q: int = 64
@@ -91,15 +94,20 @@ class KernelConfig:
     wide_fwd_loop: str = ""
     delta_in_kernel: bool = True
     fwd_lowering: str = "triton"
+    bwd_lowering: str = "triton"
     mosaic_block_q: int = 64
     mosaic_block_k: int = 64
     mosaic_stages: int = 2
+    mosaic_bwd_block_q: int = 64
+    mosaic_bwd_block_k: int = 64
 
     def blocks(self) -> tuple[int, ...]:
         blocks = tuple(getattr(self, name) for name in _BLOCK_FIELDS + _WIDE_BLOCK_FIELDS
                        if getattr(self, name))
         if self.fwd_lowering != "triton":  # a Mosaic tile is two consumers' rows
             blocks += (2 * self.mosaic_block_q, self.mosaic_block_k)
+        if self.bwd_lowering != "triton":
+            blocks += (2 * self.mosaic_bwd_block_q, 2 * self.mosaic_bwd_block_k)
         return blocks
 
     def validate(self):
@@ -117,10 +125,12 @@ class KernelConfig:
         if self.wide_fwd_loop not in ("",) + LOOP_MODES:
             raise ValueError(f"config.wide_fwd_loop: expected '' or one of {LOOP_MODES}, got "
                              f"{self.wide_fwd_loop!r}")
-        if self.fwd_lowering not in FWD_LOWERINGS:
-            raise ValueError(f"config.fwd_lowering: expected one of {FWD_LOWERINGS}, got "
-                             f"{self.fwd_lowering!r}")
-        for name in ("mosaic_block_q", "mosaic_block_k"):
+        for name in ("fwd_lowering", "bwd_lowering"):
+            if getattr(self, name) not in LOWERINGS:
+                raise ValueError(f"config.{name}: expected one of {LOWERINGS}, got "
+                                 f"{getattr(self, name)!r}")
+        for name in ("mosaic_block_q", "mosaic_block_k", "mosaic_bwd_block_q",
+                     "mosaic_bwd_block_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 64 or value & (value - 1):
                 raise ValueError(f"config.{name}: expected a power of two >= 64, got {value!r}")

@@ -1,0 +1,294 @@
+"""Backward kernels for Hopper in Pallas' Mosaic GPU lowering: dQ, and dK/dV per query head.
+
+The same math as ``backward.py`` (``p = exp2(s * c - lse2)``, ``ds = p * (dp - delta)``,
+``dQ = scale * ds . K``, ``dK = scale * ds^T . Q``, ``dV = p^T . dO``), laid out like the
+Hopper forward (``mosaic_ring.py``): two consumer warpgroups each own one block, a producer
+warpgroup streams the other side's blocks of the band through a TMA ring.
+
+* dQ (grid head x query tile x batch): a consumer owns ``block_q`` query rows (Q, dO, lse2,
+  delta loaded once) and walks the key blocks of its band, streamed as K and V.
+* dK/dV (grid head x key tile x batch): a consumer owns ``block_k`` keys (K, V loaded once)
+  and walks the query blocks whose band reaches them, streamed as Q, dO, lse2 and delta. It
+  writes dK and dV *per query head* ([B, T, H, D]); the caller sums each GQA group.
+
+``delta = rowsum(O * dO)`` comes from the caller (one XLA pass). ``heads`` restricts a call
+to some query heads (the others' rows are left unwritten, for the Triton kernels to fill).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ls_jax.kernels.band import (allowed, kv_block_range, kv_full_block_range, q_block_range,
+                                 q_full_block_range)
+from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMERS, band_loops, clamp_ranges, mma,
+                                                   pick, produce, ring_slot, tile_iota)
+from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE
+
+_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _launch(body, out_type, *, grid_len, num_tiles, B, interpret):
+    extra = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        extra["interpret"] = InterpretGPUParams()
+    return plgpu.kernel(
+        body, out_type=out_type, grid=(grid_len, num_tiles, B),
+        grid_names=("heads", "tile", "batch"), num_threads=CONSUMERS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True), **extra)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, *, heads,
+               windows, group, block_q, block_k, stages, num_tiles, seq_len, score_scale,
+               scale, interpret):
+    smem, loaded, freed = scoped
+    q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
+    own_loaded, k_loaded, v_loaded = loaded
+    k_free, v_free = freed
+    b = lax.axis_index("batch")
+    h = pick(lax.axis_index("heads"), heads)
+    window = pick(lax.axis_index("heads"), windows)
+    tile = num_tiles - 1 - lax.axis_index("tile")  # longest rows first
+    wg = lax.axis_index("wg")
+    dtype = q_ref.dtype
+    head_dim = q_ref.shape[-1]
+    union_first, _ = kv_block_range(2 * tile, block_q, block_k, window, seq_len)
+    _, union_end = kv_block_range(2 * tile + 1, block_q, block_k, window, seq_len)
+
+    def slot_of(j):
+        return ring_slot(j, union_first, stages)
+
+    @pl.when(wg < CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        q_block = 2 * tile + wg
+        q_first = q_block * block_q
+        rows = pl.ds(q_first, block_q)
+        q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+        lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
+        for n, (src, dst) in enumerate([(q_ref.at[b, rows, h], q_smem),
+                                        (do_ref.at[b, rows, h], do_smem),
+                                        (lse_ref.at[b, h, rows], lse_smem),
+                                        (delta_ref.at[b, h, rows], delta_smem)]):
+            plgpu.copy_gmem_to_smem(src, dst, own_loaded.at[wg * 4 + n])
+        for n in range(4):
+            plgpu.barrier_wait(own_loaded.at[wg * 4 + n])
+        lse_Q = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+        delta_Q = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+        ranges = clamp_ranges(
+            *kv_block_range(q_block, block_q, block_k, window, seq_len),
+            *kv_full_block_range(q_block, block_q, block_k, window, seq_len))
+
+        def skip(j, _):
+            slot = slot_of(j)
+            plgpu.barrier_wait(k_loaded.at[slot])
+            plgpu.barrier_wait(v_loaded.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+
+        def step(j, dq_QxD, masked: bool):
+            slot = slot_of(j)
+            plgpu.barrier_wait(k_loaded.at[slot])
+            s_QxK = mma(None, q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret)
+            if masked:
+                ok_QxK = allowed(q_first + tile_iota(block_q, block_k, 0),
+                                 j * block_k + tile_iota(block_q, block_k, 1), window)
+                s_QxK = jnp.where(ok_QxK, s_QxK, MASKED_SCORE)
+            p_QxK = jnp.exp2(s_QxK * score_scale
+                             - lax.broadcast_in_dim(lse_Q, s_QxK.shape, [0]))
+            plgpu.barrier_wait(v_loaded.at[slot])
+            dp_QxK = mma(None, do_smem, v_smem.at[slot], transpose_b=True, interpret=interpret)
+            plgpu.barrier_arrive(v_free.at[slot])
+            ds_QxK = p_QxK * (dp_QxK - lax.broadcast_in_dim(delta_Q, dp_QxK.shape, [0]))
+            dq_QxD = mma(dq_QxD, ds_QxK.astype(dtype), k_smem.at[slot], transpose_b=False,
+                         interpret=interpret)
+            plgpu.barrier_arrive(k_free.at[slot])
+            return dq_QxD
+
+        dq_QxD = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
+                                   plgpu.Layout.WGMMA)
+        dq_QxD = band_loops(union_first, union_end, ranges, skip, step, dq_QxD)
+        q_smem[...] = (dq_QxD * scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(h, jnp.int32(group))
+
+        def load(j, slot):
+            cols = (b, pl.ds(j * block_k, block_k), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[cols], k_smem.at[slot], k_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[cols], v_smem.at[slot], v_loaded.at[slot])
+
+        def wait_free(slot):
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+        produce(union_first, union_end, stages, load, wait_free)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped, *,
+                 heads, windows, group, block_q, block_k, stages, num_tiles, seq_len,
+                 score_scale, scale, interpret):
+    smem, loaded, freed = scoped
+    k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem = smem
+    own_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded = loaded
+    (free,) = freed
+    b = lax.axis_index("batch")
+    h = pick(lax.axis_index("heads"), heads)
+    window = pick(lax.axis_index("heads"), windows)
+    tile = lax.axis_index("tile")  # the first key tiles have the longest columns
+    wg = lax.axis_index("wg")
+    dtype = q_ref.dtype
+    head_dim = q_ref.shape[-1]
+    union_first, _ = q_block_range(2 * tile, block_q, block_k, window, seq_len)
+    _, union_end = q_block_range(2 * tile + 1, block_q, block_k, window, seq_len)
+
+    def slot_of(i):
+        return ring_slot(i, union_first, stages)
+
+    @pl.when(wg < CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        k_block = 2 * tile + wg
+        k_first = k_block * block_k
+        cols = pl.ds(k_first, block_k)
+        kv_head = lax.div(h, jnp.int32(group))
+        k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+        plgpu.copy_gmem_to_smem(k_ref.at[b, cols, kv_head], k_smem, own_loaded.at[2 * wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, cols, kv_head], v_smem, own_loaded.at[2 * wg + 1])
+        plgpu.barrier_wait(own_loaded.at[2 * wg])
+        plgpu.barrier_wait(own_loaded.at[2 * wg + 1])
+        # the query blocks are [first, end); masks on [first, lo) (diagonal) and [hi, end)
+        # (window edge), none on [lo, hi)
+        ranges = clamp_ranges(
+            *q_block_range(k_block, block_q, block_k, window, seq_len),
+            *q_full_block_range(k_block, block_q, block_k, window, seq_len))
+
+        def skip(i, _):
+            slot = slot_of(i)
+            for barrier in (q_loaded, do_loaded, lse_loaded, delta_loaded):
+                plgpu.barrier_wait(barrier.at[slot])
+            plgpu.barrier_arrive(free.at[slot])
+
+        def step(i, grads, masked: bool):
+            dk_KxD, dv_KxD = grads
+            slot = slot_of(i)
+            plgpu.barrier_wait(q_loaded.at[slot])
+            sT_KxQ = mma(None, k_smem, q_smem.at[slot], transpose_b=True, interpret=interpret)
+            if masked:
+                ok_KxQ = allowed(i * block_q + tile_iota(block_k, block_q, 1),
+                                 k_first + tile_iota(block_k, block_q, 0), window)
+                sT_KxQ = jnp.where(ok_KxQ, sT_KxQ, MASKED_SCORE)
+            plgpu.barrier_wait(lse_loaded.at[slot])
+            lse_Q = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            pT_KxQ = jnp.exp2(sT_KxQ * score_scale
+                              - lax.broadcast_in_dim(lse_Q, sT_KxQ.shape, [1]))
+            plgpu.barrier_wait(do_loaded.at[slot])
+            dv_KxD = mma(dv_KxD, pT_KxQ.astype(dtype), do_smem.at[slot], transpose_b=False,
+                         interpret=interpret)
+            dpT_KxQ = mma(None, v_smem, do_smem.at[slot], transpose_b=True, interpret=interpret)
+            plgpu.barrier_wait(delta_loaded.at[slot])
+            delta_Q = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            dsT_KxQ = pT_KxQ * (dpT_KxQ - lax.broadcast_in_dim(delta_Q, dpT_KxQ.shape, [1]))
+            dk_KxD = mma(dk_KxD, dsT_KxQ.astype(dtype), q_smem.at[slot], transpose_b=False,
+                         interpret=interpret)
+            plgpu.barrier_arrive(free.at[slot])
+            return dk_KxD, dv_KxD
+
+        zeros = plgpu.layout_cast(jnp.zeros((block_k, head_dim), jnp.float32),
+                                  plgpu.Layout.WGMMA)
+        dk_KxD, dv_KxD = band_loops(union_first, union_end, ranges, skip, step, (zeros, zeros))
+        k_smem[...] = (dk_KxD * scale).astype(dtype)
+        v_smem[...] = dv_KxD.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, cols, h])
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, cols, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def load(i, slot):
+            rows = pl.ds(i * block_q, block_q)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot],
+                                    lse_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot],
+                                    delta_loaded.at[slot])
+
+        produce(union_first, union_end, stages, load,
+                lambda slot: plgpu.barrier_wait(free.at[slot]))
+
+
+def _static(plan, q, k, heads):
+    B, Tp, H, Dp = q.shape
+    heads = tuple(range(H)) if heads is None else tuple(heads)
+    cfg = plan.config
+    return heads, dict(
+        heads=heads, windows=tuple(plan.window_table()[h] for h in heads),
+        group=H // k.shape[2], block_q=cfg.mosaic_bwd_block_q, block_k=cfg.mosaic_bwd_block_k,
+        stages=cfg.mosaic_stages, seq_len=Tp, score_scale=plan.scale * LOG2_E,
+        scale=plan.scale, interpret=plan.interpret)
+
+
+def dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None):
+    """dq [B, Tp, H, Dp] in q's dtype for ``heads`` (default all) on padded inputs."""
+    B, Tp, H, Dp = q.shape
+    heads, static = _static(plan, q, k, heads)
+    bq, bk, stages = static["block_q"], static["block_k"], static["stages"]
+    num_tiles = Tp // (CONSUMERS * bq)
+
+    def entry(*refs):
+        rows = plgpu.SMEM((CONSUMERS, bq), jnp.float32)
+        pl.run_scoped(
+            lambda *scoped: _dq_kernel(*refs, scoped, num_tiles=num_tiles, **static),
+            [plgpu.SMEM((CONSUMERS, bq, Dp), q.dtype, transforms=_TRANSFORMS),
+             plgpu.SMEM((CONSUMERS, bq, Dp), q.dtype, transforms=_TRANSFORMS), rows, rows,
+             plgpu.SMEM((stages, bk, Dp), q.dtype, transforms=_TRANSFORMS),
+             plgpu.SMEM((stages, bk, Dp), q.dtype, transforms=_TRANSFORMS)],
+            (plgpu.Barrier(num_barriers=4 * CONSUMERS), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=stages)),
+            (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2,
+            collective_axes="wg")
+
+    return _launch(entry, jax.ShapeDtypeStruct(q.shape, q.dtype), grid_len=len(heads),
+                   num_tiles=num_tiles, B=B, interpret=plan.interpret)(
+        q, k, v, do, lse2, delta)
+
+
+def dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None):
+    """(dk, dv), each [B, Tp, H, Dp] in k's dtype, per *query* head, for ``heads`` (default
+    all) on padded inputs; sum each GQA group for the kv heads' gradients."""
+    B, Tp, H, Dp = q.shape
+    heads, static = _static(plan, q, k, heads)
+    bq, bk, stages = static["block_q"], static["block_k"], static["stages"]
+    num_tiles = Tp // (CONSUMERS * bk)
+
+    def entry(*refs):
+        own = plgpu.SMEM((CONSUMERS, bk, Dp), k.dtype, transforms=_TRANSFORMS)
+        ring = plgpu.SMEM((stages, bq, Dp), q.dtype, transforms=_TRANSFORMS)
+        rows = plgpu.SMEM((stages, bq), jnp.float32)
+        pl.run_scoped(
+            lambda *scoped: _dkdv_kernel(*refs, scoped, num_tiles=num_tiles, **static),
+            [own, own, ring, ring, rows, rows],
+            (plgpu.Barrier(num_barriers=2 * CONSUMERS),) + (
+                plgpu.Barrier(num_barriers=stages),) * 4,
+            (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),),
+            collective_axes="wg")
+
+    shape = jax.ShapeDtypeStruct((B, Tp, H, Dp), k.dtype)
+    return _launch(entry, [shape, shape], grid_len=len(heads), num_tiles=num_tiles, B=B,
+                   interpret=plan.interpret)(q, k, v, do, lse2, delta)

@@ -1,0 +1,147 @@
+"""Pieces the Mosaic GPU kernels share: the producer's TMA ring, the consumers' band loops, and
+a tensor-core multiply-accumulate that also runs in Pallas' GPU interpreter.
+
+Every Mosaic kernel here has the same shape: two *consumer* warpgroups each own one block
+(of query rows in the forward and dQ, of key rows in dK/dV) and a *producer* warpgroup
+streams the other side's blocks (key/value blocks, or query/dO blocks) through a ring of
+``stages`` shared-memory slots. The producer loads the union of the two consumers' ranges; a
+consumer steps through the blocks outside its own range without computing (``band_loops``'
+``skip``), so each slot's barriers see every arrival and wait in order.
+
+Barriers: per slot, a "loaded" barrier per buffer (TMA completion) and one "free" barrier
+with one arrival per consumer. Pallas' Mosaic GPU lowering tracks a barrier's phase per
+thread, so a consumer waits on every loaded barrier of every step, its own or not, and the
+producer waits for the last releases before it exits (the GPU interpreter checks that every
+completed phase was observed).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src.state import types as state_types
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+CONSUMERS = 2
+
+# the lowering's constraints (why a call may not take this path: ``mosaic_fits``)
+MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
+MOSAIC_HEAD_DIM = 64  # head size must be a multiple of this (128-byte swizzled rows)
+
+
+def is_hopper() -> bool:
+    """True when JAX's first device is a Hopper GPU (compute capability 9.x): the kernel's
+    wgmma instructions exist only there."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")
+                                               ).startswith("9.")
+
+
+def mosaic_fits(dtype, head_dim: int, has_segments: bool, interpret: bool = False) -> bool:
+    """True when the Mosaic GPU kernels can run the call (else the Triton ones do):
+    bfloat16/float16, head size a multiple of 64, no segment ids, on a Hopper GPU (or in
+    interpret mode)."""
+    return (jnp.dtype(dtype) in tuple(map(jnp.dtype, MOSAIC_DTYPES))
+            and head_dim % MOSAIC_HEAD_DIM == 0 and not has_segments
+            and (interpret or is_hopper()))
+
+
+def pick(i, values: tuple[int, ...]):
+    """int32 scalar: ``values[i]`` for a traced index ``i`` into a short static tuple."""
+    if values == tuple(range(len(values))):
+        return i
+    value = jnp.int32(values[0])
+    if len(set(values)) > 1:
+        for k, v in enumerate(values[1:], start=1):
+            value = jnp.where(i == k, jnp.int32(v), value)
+    return value
+
+
+def ring_slot(j, first, stages: int):
+    """The ring slot of block ``j`` when the stream starts at block ``first``."""
+    return lax.rem(j - first, jnp.int32(stages))
+
+
+def produce(first, end, stages: int, load, wait_free):
+    """The producer: blocks [first, end) into the ring. ``load(j, slot)`` issues block j's
+    TMA copies into ``slot``; ``wait_free(slot)`` waits until both consumers released it."""
+    for s in range(stages):  # fill the ring
+        pl.when(s < end - first)(functools.partial(load, first + s, s))
+
+    def refill(j, _):
+        slot = ring_slot(j, first, stages)
+        wait_free(slot)
+        load(j, slot)
+
+    lax.fori_loop(first + stages, end, refill, None)
+
+    def drain(j, _):  # the last blocks' releases: every phase of a barrier is observed
+        wait_free(ring_slot(j, first, stages))
+
+    lax.fori_loop(jnp.maximum(end - stages, first), end, drain, None)
+
+
+def band_loops(union_first, union_end, ranges, skip, step, carry):
+    """A consumer's walk over the streamed blocks [union_first, union_end).
+
+    ranges = (first, lo, hi, end): its own blocks are [first, end), of which [lo, hi) need no
+    element mask; ``step(j, carry, masked)`` computes block j, ``skip(j, None)`` only keeps
+    the barriers in step for a block of the other consumer's range.
+    """
+    first, lo, hi, end = ranges
+    lax.fori_loop(union_first, first, skip, None)
+    carry = lax.fori_loop(first, lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(hi, end, functools.partial(step, masked=True), carry)
+    lax.fori_loop(end, union_end, skip, None)
+    return carry
+
+
+def clamp_ranges(first, end, full_first, full_end):
+    """(first, lo, hi, end): the fully-inside sub-range [full_first, full_end) clamped into
+    [first, end) (``kernels.band``'s full ranges may be empty or run past the band)."""
+    lo = jnp.clip(full_first, first, end)
+    hi = jnp.clip(full_end, lo, end)
+    return first, lo, hi, end
+
+
+def mma(acc, a, b_smem, *, transpose_b: bool, interpret: bool):
+    """``acc + a @ b`` (``a @ b`` when acc is None) in float32 on the tensor cores (wgmma):
+    ``a`` a shared-memory ref or a register array, ``b_smem`` a shared-memory ref, used
+    transposed when ``transpose_b``. Pallas' GPU interpreter takes neither a register
+    operand in wgmma nor ``pl.run_state`` on an accumulator: there it is a plain dot of the
+    same operands."""
+    if interpret:
+        a_val = a[...] if _is_ref(a) else a
+        b_val = b_smem[...]
+        out = jnp.dot(a_val, b_val.T if transpose_b else b_val,
+                      preferred_element_type=jnp.float32)
+        return out if acc is None else acc + out
+    b = b_smem.transpose((1, 0)) if transpose_b else b_smem
+
+    def accumulate(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+
+    if acc is None:
+        def fresh(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+            return acc_ref[...]
+        rows = a.shape[0]
+        cols = b_smem.shape[0] if transpose_b else b_smem.shape[1]
+        return pl.run_scoped(fresh, plgpu.ACC((rows, cols), jnp.float32))
+    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+
+def _is_ref(x) -> bool:
+    return isinstance(x, state_types.TransformedRef) or isinstance(
+        getattr(x, "aval", None), state_types.AbstractRef)
+
+
+def tile_iota(rows: int, cols: int, dimension: int):
+    """int32 [rows, cols] iota along ``dimension`` in the wgmma accumulator layout."""
+    return plgpu.broadcasted_iota(jnp.int32, (rows, cols), dimension,
+                                  layout=plgpu.Layout.WGMMA)

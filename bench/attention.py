@@ -202,7 +202,13 @@ def fmt(x, digits=3):
 def run_sweep(args):
     dtype = jnp.bfloat16
     B, H = args.batch_size, args.heads
-    rows = []
+
+    class _Rows(list):  # every row printed as measured: a run cut short keeps what it had
+        def append(self, row):
+            super().append(row)
+            print(json.dumps(row), flush=True)
+
+    rows = _Rows()
     configs = args.cfg or [""]
     impls = args.impl.split(",")
     for D in (int(x) for x in args.d.split(",")):
@@ -237,7 +243,6 @@ def run_sweep(args):
                             rows.append({**base, "p": p, "mix": mix, **measure(
                                 ours + (f"[{text}]" if text else ""), windows, B, n, H, D,
                                 input_sets, args, cfg)})
-                    print(json.dumps(rows[-1]), flush=True)
             del input_sets
     return rows
 

@@ -89,10 +89,12 @@ def split_fits(window_sizes: WindowSizes, seq_len: int, head_dim: int, dtype,
 
 def choose_implementation(platform: str | None = None, *, window_sizes: WindowSizes | None = None,
                           seq_len: int | None = None, head_dim: int | None = None, dtype=None,
-                          has_segments: bool = False, return_logit_stats: bool = False) -> str:
+                          has_segments: bool = False, return_logit_stats: bool = False,
+                          hopper: bool | None = None) -> str:
     """The backend for one call on ``platform`` (default: ``current_platform()``).
 
     Without the case (``window_sizes`` etc. None) it returns the platform's default backend.
+    ``hopper``: whether the GPU runs our Hopper (Mosaic GPU) kernels; None asks the device.
     Raises ValueError on a platform with no memory-safe default.
     """
     platform = current_platform() if platform is None else platform
@@ -106,6 +108,9 @@ def choose_implementation(platform: str | None = None, *, window_sizes: WindowSi
         case = (window_sizes, seq_len, head_dim, dtype, has_segments, return_logit_stats)
         if cudnn_fits(*case):
             return "cudnn"
-        if split_fits(*case):
+        if hopper is None:
+            from ls_jax.kernels.pallas_gpu.mosaic_ring import is_hopper
+            hopper = is_hopper()
+        if not hopper and split_fits(*case):
             return "split"
     return implementation

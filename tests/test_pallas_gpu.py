@@ -356,6 +356,21 @@ def mosaic_id(case):
     return f"B{B}-T{T}-H{Hq}/{Hkv}-D{D}-w{'_'.join(map(str, windows))}-t{tiles}"
 
 
+@pytest.mark.parametrize("dtype,D,windows,T,want", [
+    (jnp.bfloat16, 64, (None,) * 4, 8192, ("mosaic", "mosaic")),
+    (jnp.bfloat16, 128, (None,) + (128,) * 15, 8192, ("mixed", "mixed")),
+    (jnp.bfloat16, 64, (None,) + (128,) * 15, 8192, ("mixed", "triton")),  # short D=64 mix
+    (jnp.bfloat16, 64, (None,) + (128,) * 15, 32768, ("mixed", "mixed")),
+    (jnp.bfloat16, 64, (128,) * 16, 32768, ("triton", "triton")),        # no global head
+    (jnp.float32, 64, (None,) * 4, 8192, ("triton", "triton")),
+])
+def test_default_lowerings(dtype, D, windows, T, want):
+    """Which kernels the defaults pick (the measured choices of run J, kernel-notes.md)."""
+    from ls_jax.kernels.pallas_gpu import default_config
+    config = default_config(dtype, D, windows, T)
+    assert (config.fwd_lowering, config.bwd_lowering) == want
+
+
 class TestMosaicInterpret:
     """The Mosaic GPU forward in Pallas' GPU interpreter on CPU (threads, barriers, TMA
     simulated; a barrier phase no thread observed is an error there), bfloat16."""

@@ -24,6 +24,8 @@ from ls_jax.kernels.band import (WindowSizes, cdiv, effective_windows, is_global
 
 LOOP_MODES = ("split", "cond", "masked")
 LOWERINGS = ("triton", "mosaic", "mixed")
+# LS mixes with D <= 64 up to this length keep the Triton backward (``default_config``)
+SHORT_MIX_TRITON_BWD = 8192
 
 _BLOCK_FIELDS = ("fwd_block_q", "fwd_block_k", "dq_block_q", "dq_block_k", "dkdv_block_q",
                  "dkdv_block_k")
@@ -168,6 +170,10 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
     128 keys in dK/dV). A single global head among local ones keeps the small tiles: its
     longest program (the last query block, a whole row of key blocks) is the critical path
     of the launch, and longer tiles make it longer (measured, kernel-notes.md).
+
+    Global heads run on the Hopper (Mosaic GPU) kernels where they can (``fwd_lowering`` /
+    ``bwd_lowering`` "mosaic" when every head is global, "mixed" in an LS mix; the Triton
+    kernels elsewhere, see ``mosaic_ring.mosaic_fits``): H100 run J, docs/kernel-notes.md.
     """
     if jnp.dtype(dtype) == jnp.float32:  # fp32 dots: small tiles, fewer stages
         return KernelConfig(fwd_block_q=64, fwd_block_k=32, dq_block_q=64, dq_block_k=32,
@@ -193,7 +199,12 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
         # The Hopper backward likewise (run J: all global f+b 5.87 -> 5.22 ms at D=64, 11.32
         # -> 8.15 ms at D=128, n=8192; "mixed" needs one kv head per query head, else Triton)
         lowering = "mosaic" if all_global else "mixed"
-        config = dataclasses.replace(config, fwd_lowering=lowering, bwd_lowering=lowering,
+        # except a short D=64 mix, where one Triton launch for every head measured 4-5% faster
+        # (1 global + 15 local, n=8192: 0.827 vs 0.871 ms and 0.842 vs 0.873 ms f+b, run J)
+        short_narrow_mix = (not all_global and head_dim <= 64 and seq_len is not None
+                            and seq_len <= SHORT_MIX_TRITON_BWD)
+        config = dataclasses.replace(config, fwd_lowering=lowering,
+                                     bwd_lowering="triton" if short_narrow_mix else lowering,
                                      mosaic_block_k=128)
     return config
 

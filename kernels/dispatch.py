@@ -6,9 +6,9 @@ Per platform:
 |---|---|---|---|
 | cpu | any | "reference" | the pure-JAX twin (dense [B, H, T, S] logits; CPU runs are small) |
 | tpu | any | "pallas_tpu" | the only block-sparse TPU path |
-| cuda ("gpu") | every head global (window None or >= T), no logit statistics, no segment ids, bfloat16/float16, D a multiple of 8 and <= 128 | "cudnn" | full causal attention: our kernel runs at 0.81x / 0.78x of cuDNN (fwd / fwd+bwd) at n=8192 and 0.77x / 0.72x at n=32768, D=64 (H100, docs/performance.md, run F); at D=32, n=32768 it is 0.93x / 1.01x |
-| cuda ("gpu") | an LS mix (>= 1 global and >= 1 local head) at T >= 32768 with D > 64 (and <= 128, a multiple of 8), at least 1 head in 8 global, no logit statistics, no segment ids, bfloat16/float16 | "split" (kernels/split.py: cuDNN causal for the global heads, ours for the local ones) | the global heads' O(T^2) work dominates and cuDNN runs causal work faster (ours: 0.63-0.82x at D >= 64), while ours runs the local heads far faster than the composition. Estimated from run I, to be measured: about 1.15x fwd / 1.4x fwd+bwd the cuDNN composition at D=128, n=65536, 2 global + 14 local, p=128 (docs/kernel-notes.md, "Split dispatch"); run I had ours at 0.81-0.84x (fwd) / 0.87-0.89x (fwd+bwd) of the composition there, and 0.81-0.90x fwd with 2 global heads at n=32768 |
-| cuda ("gpu") | anything else | "pallas_gpu" | any local head: 2.56x / 2.50x the cuDNN composition at 1 global + 15 local, p=128, n=8192, D=64 (same run); logit statistics cost cuDNN an extra pass; cuDNN takes no segment ids or float32 |
+| cuda ("gpu") | every head global (window None or >= T), no logit statistics, no segment ids, bfloat16/float16, D a multiple of 8 and <= 128 | "cudnn" | full causal attention: on an H100 our kernel (its Hopper kernels) matches cuDNN's forward (0.97-1.03x) but its forward+backward is 0.86-0.94x of cuDNN's (n=8192-65536, D=64 and 128; docs/performance.md, run J); without the Hopper kernels 0.63-0.82x (run I) |
+| cuda ("gpu") | a GPU where our Hopper kernels do not run (``pallas_gpu.mosaic_ring.is_hopper()`` false; ``hopper=``), an LS mix (>= 1 global and >= 1 local head) at T >= 32768 with D > 64 (and <= 128, a multiple of 8), at least 1 head in 8 global, no logit statistics, no segment ids, bfloat16/float16 | "split" (kernels/split.py: cuDNN causal for the global heads, ours for the local ones) | the global heads' O(T^2) work dominates and cuDNN's causal backward beats our Triton one: on an H100 with our Triton-only path, D=128 2 global + 14 local p=128, f+b 19.72 vs 25.53 ms (n=32768) and 17.06 vs 23.16 ms (n=65536) (run J, call 3); on Hopper our kernel beats "split" (every forward; every f+b but one tie) and keeps these mixes |
+| cuda ("gpu") | anything else | "pallas_gpu" | any local head: 2.5-2.7x / 2.7-2.9x the cuDNN composition at 1 global + 15 local, p=128, n=8192, D=64, and 1.2-2.7x at D=128 (run J); logit statistics cost cuDNN an extra pass; cuDNN takes no segment ids or float32 |
 | rocm or other | any | error | the Pallas GPU kernel is written for CUDA (Triton) and "reference" materialises [B, H, T, S] float32 logits: the caller must choose |
 
 The D range is the one ``jax.nn.dot_product_attention(implementation="cudnn")`` accepts on
@@ -47,10 +47,11 @@ def current_platform() -> str:
     return platform
 
 
-# The "split" rule (the table above), one place to edit it. An LS mix goes to "split" when
-# T >= SPLIT_MIN_SEQ_LEN, SPLIT_MIN_HEAD_DIM_EXCLUSIVE < D <= CUDNN_MAX_HEAD_DIM and at least
-# SPLIT_MIN_GLOBAL_SHARE of its heads are global (a hypothesis from run I, 16 heads: 2 global is
-# where cuDNN's causal speed pays off, 1 global is where ours alone was still ahead).
+# The "split" rule (the table above), one place to edit it. On a GPU without our Hopper
+# kernels, an LS mix goes to "split" when T >= SPLIT_MIN_SEQ_LEN,
+# SPLIT_MIN_HEAD_DIM_EXCLUSIVE < D <= CUDNN_MAX_HEAD_DIM and at least SPLIT_MIN_GLOBAL_SHARE of
+# its heads are global (16 heads: 2 global is where cuDNN's causal backward pays off against
+# our Triton kernel, run J call 3; 1 global wins f+b by 8% but loses the forward by 36%).
 SPLIT_MIN_SEQ_LEN = 32768
 SPLIT_MIN_HEAD_DIM_EXCLUSIVE = 64
 SPLIT_MIN_GLOBAL_SHARE = Fraction(1, 8)

@@ -394,16 +394,20 @@ class TestMosaicInterpret:
         ("triton", 1, (None, 20, None)),        # the Mosaic forward, the Triton backward
         ("mosaic", 3, (None, 20, 64)),          # every head on the Mosaic backward
         ("mosaic", 1, (None, None, 130)),       # GQA: dK/dV per query head, summed
+        ("mosaic-dq128", 3, (None, 7, 100)),    # dQ on 128-key blocks
         ("mixed", 3, (None, 20, None)),         # global heads Mosaic, local heads Triton
-    ], ids=["bwd-triton", "bwd-mosaic", "bwd-mosaic-mqa", "bwd-mixed"])
+    ], ids=["bwd-triton", "bwd-mosaic", "bwd-mosaic-mqa", "bwd-mosaic-dq128", "bwd-mixed"])
     def test_gradients_match_reference(self, bwd, Hkv, windows):
         B, T, Hq, D = 1, 200, 3, 64
         q, k, v, do = random_inputs(np.random.default_rng(3), B, T, Hq, Hkv, D, jnp.bfloat16)
         f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
 
+        config = mosaic_config(lowering="mixed", bwd=bwd.split("-")[0])
+        if bwd.endswith("dq128"):
+            config = dataclasses.replace(config, mosaic_dq_block_k=128)
+
         def ours(q, k, v):
-            out, _ = pallas_gpu_attention(q, k, v, windows, config=mosaic_config(
-                lowering="mixed", bwd=bwd), interpret=True)
+            out, _ = pallas_gpu_attention(q, k, v, windows, config=config, interpret=True)
             return jnp.sum(out.astype(jnp.float32) * f32[3])
 
         def ref(q, k, v):
@@ -427,6 +431,7 @@ class TestMosaicInterpret:
         q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
         for bad, field in [(dict(mosaic_block_q=32), "mosaic_block_q"),
                            (dict(mosaic_stages=1), "mosaic_stages"),
+                           (dict(mosaic_dq_block_k=96), "mosaic_dq_block_k"),
                            (dict(fwd_lowering="cuda"), "fwd_lowering")]:
             with pytest.raises(ValueError, match=field):
                 pallas_gpu_attention(q, q, q, (None,), config=dataclasses.replace(

@@ -248,6 +248,7 @@ def dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None):
     """dq [B, Tp, H, Dp] in q's dtype for ``heads`` (default all) on padded inputs."""
     B, Tp, H, Dp = q.shape
     heads, static = _static(plan, q, k, heads)
+    static["block_k"] = plan.config.mosaic_dq_block_k or static["block_k"]
     bq, bk, stages = static["block_q"], static["block_k"], static["stages"]
     num_tiles = Tp // (CONSUMERS * bq)
 

@@ -71,7 +71,8 @@ class KernelConfig:
     keys per block, mosaic_stages: key/value blocks in flight (multiples of 64; stages >= 2).
     bwd_lowering: the same choice for the backward ("mixed" needs one kv head per query head,
     else the Triton kernels run every head): ``backward_mosaic.py`` with blocks
-    mosaic_bwd_block_q x mosaic_bwd_block_k (a consumer owns one block of its side).
+    mosaic_bwd_block_q x mosaic_bwd_block_k (a consumer owns one block of its side);
+    mosaic_dq_block_k: the dQ kernel's streamed key blocks (0: mosaic_bwd_block_k).
     """
 
     fwd_block_q: int = 64
@@ -102,6 +103,7 @@ class KernelConfig:
     mosaic_stages: int = 2
     mosaic_bwd_block_q: int = 64
     mosaic_bwd_block_k: int = 64
+    mosaic_dq_block_k: int = 0
 
     def blocks(self) -> tuple[int, ...]:
         blocks = tuple(getattr(self, name) for name in _BLOCK_FIELDS + _WIDE_BLOCK_FIELDS
@@ -110,6 +112,7 @@ class KernelConfig:
             blocks += (2 * self.mosaic_block_q, self.mosaic_block_k)
         if self.bwd_lowering != "triton":
             blocks += (2 * self.mosaic_bwd_block_q, 2 * self.mosaic_bwd_block_k)
+            blocks += (self.mosaic_dq_block_k,) if self.mosaic_dq_block_k else ()
         return blocks
 
     def validate(self):
@@ -136,6 +139,10 @@ class KernelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 64 or value & (value - 1):
                 raise ValueError(f"config.{name}: expected a power of two >= 64, got {value!r}")
+        value = self.mosaic_dq_block_k
+        if not isinstance(value, int) or (value and (value < 64 or value & (value - 1))):
+            raise ValueError(f"config.mosaic_dq_block_k: expected 0 or a power of two >= 64, "
+                             f"got {value!r}")
         if not isinstance(self.mosaic_stages, int) or self.mosaic_stages < 2:
             raise ValueError(f"config.mosaic_stages: expected an int >= 2, got "
                              f"{self.mosaic_stages!r}")

@@ -26,15 +26,22 @@ def head_groups(window_sizes, seq_len: int) -> list[tuple[int | None, list[int]]
     return list(groups.items())
 
 
+def check_cudnn_inputs(implementation: str, q, segment_ids):
+    """One clear error for what cuDNN's attention does not take: segment ids, float32."""
+    if segment_ids is not None:
+        raise NotImplementedError(
+            f"segment_ids: implementation={implementation!r} does not support segment_ids "
+            "(cuDNN's attention call takes none); use implementation='pallas_gpu' or "
+            "'reference'")
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(
+            f"q: implementation={implementation!r} needs bfloat16 or float16, got {q.dtype}")
+
+
 def cudnn_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_stats,
                   interpret):
     del interpret
-    if segment_ids is not None:
-        raise NotImplementedError(
-            "segment_ids: the cuDNN composition does not support segment_ids; use "
-            "implementation='pallas_gpu' or 'reference'")
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"q: implementation='cudnn' needs bfloat16 or float16, got {q.dtype}")
+    check_cudnn_inputs("cudnn", q, segment_ids)
     B, T, H, D = q.shape
     k_BxTxHxD, v_BxTxHxD = repeat_kv(k, H), repeat_kv(v, H)
     outs, order = [], []

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from ls_jax.kernels.band import WindowSizes, is_global
+from ls_jax.kernels.cudnn import check_cudnn_inputs
 from ls_jax.kernels.pallas_gpu import pallas_gpu_attention
 from ls_jax.kernels.reference import blockwise_max_abs_logit
 
@@ -117,12 +118,7 @@ def split_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_sta
                   interpret, config=None):
     """The "split" backend (``kernels.api.get_backend``); ``config`` (a
     ``pallas_gpu.KernelConfig``) overrides the local heads' kernel tiles."""
-    if segment_ids is not None:
-        raise NotImplementedError(
-            "segment_ids: implementation='split' does not support segment_ids (cuDNN's causal "
-            "call takes none); use implementation='pallas_gpu' or 'reference'")
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"q: implementation='split' needs bfloat16 or float16, got {q.dtype}")
+    check_cudnn_inputs("split", q, segment_ids)
     B, T, H, D = q.shape
     glob, local = split_heads(window_sizes, T)
     outs, stats, parts_heads = [], [], []

@@ -28,7 +28,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ls_jax.kernels.band import (allowed, kv_block_range, kv_full_block_range, q_block_range,
                                  q_full_block_range)
 from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMERS, band_loops, clamp_ranges, mma,
-                                                   pick, produce, ring_slot, tile_iota)
+                                                   produce, produce_kv, program_ids, ring_slot,
+                                                   tile_iota)
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE
 
 _TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -52,11 +53,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
     q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
     own_loaded, k_loaded, v_loaded = loaded
     k_free, v_free = freed
-    b = lax.axis_index("batch")
-    h = pick(lax.axis_index("heads"), heads)
-    window = pick(lax.axis_index("heads"), windows)
+    b, h, window, wg = program_ids(heads, windows)
     tile = num_tiles - 1 - lax.axis_index("tile")  # longest rows first
-    wg = lax.axis_index("wg")
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
     union_first, _ = kv_block_range(2 * tile, block_q, block_k, window, seq_len)
@@ -120,21 +118,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == CONSUMERS)
-    def _producer():
-        plgpu.set_max_registers(40, action="decrease")
-        kv_head = lax.div(h, jnp.int32(group))
-
-        def load(j, slot):
-            cols = (b, pl.ds(j * block_k, block_k), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[cols], k_smem.at[slot], k_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[cols], v_smem.at[slot], v_loaded.at[slot])
-
-        def wait_free(slot):
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-
-        produce(union_first, union_end, stages, load, wait_free)
+    pl.when(wg == CONSUMERS)(functools.partial(
+        produce_kv, k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded), (k_free, v_free), b=b,
+        kv_head=lax.div(h, jnp.int32(group)), block_k=block_k, first=union_first,
+        end=union_end, stages=stages))
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, scoped, *,
@@ -144,11 +131,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem = smem
     own_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded = loaded
     (free,) = freed
-    b = lax.axis_index("batch")
-    h = pick(lax.axis_index("heads"), heads)
-    window = pick(lax.axis_index("heads"), windows)
+    b, h, window, wg = program_ids(heads, windows)
     tile = lax.axis_index("tile")  # the first key tiles have the longest columns
-    wg = lax.axis_index("wg")
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
     union_first, _ = q_block_range(2 * tile, block_q, block_k, window, seq_len)

@@ -42,7 +42,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import allowed, kv_block_range, kv_full_block_range
 from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMERS, band_loops, clamp_ranges, mma,
-                                                   pick, produce, ring_slot, tile_iota)
+                                                   produce_kv, program_ids, ring_slot,
+                                                   tile_iota)
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
@@ -52,11 +53,8 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
     q_smem2, k_smem, v_smem, lse_smem2, stat_smem2 = smem
     k_loaded, v_loaded, q_loaded = loaded
     k_free, v_free = freed
-    b = lax.axis_index("batch")
-    h = pick(lax.axis_index("heads"), heads)
+    b, h, window, wg = program_ids(heads, windows)
     tile = num_tiles - 1 - lax.axis_index("q_seq")  # longest rows first
-    wg = lax.axis_index("wg")
-    window = pick(lax.axis_index("heads"), windows)
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
     c = score_scale
@@ -161,21 +159,10 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
             plgpu.copy_smem_to_gmem(stat_smem, stat_ref.at[b, h, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == CONSUMERS)
-    def _producer():
-        plgpu.set_max_registers(40, action="decrease")
-        kv_head = lax.div(h, jnp.int32(group))
-
-        def load(j, slot):
-            cols = (b, pl.ds(j * block_k, block_k), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[cols], k_smem.at[slot], k_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[cols], v_smem.at[slot], v_loaded.at[slot])
-
-        def wait_free(slot):
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-
-        produce(union_first, union_end, stages, load, wait_free)
+    pl.when(wg == CONSUMERS)(functools.partial(
+        produce_kv, k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded), (k_free, v_free), b=b,
+        kv_head=lax.div(h, jnp.int32(group)), block_k=block_k, first=union_first,
+        end=union_end, stages=stages))
 
 
 def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):

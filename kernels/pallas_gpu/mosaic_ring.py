@@ -85,6 +85,32 @@ def produce(first, end, stages: int, load, wait_free):
     lax.fori_loop(jnp.maximum(end - stages, first), end, drain, None)
 
 
+def produce_kv(k_ref, v_ref, k_smem, v_smem, loaded, free, *, b, kv_head, block_k, first,
+               end, stages: int):
+    """The producer of the forward and dQ kernels: key and value blocks [first, end) of
+    batch ``b``, kv head ``kv_head`` into the ring. loaded, free: (k, v) barrier arrays."""
+    plgpu.set_max_registers(40, action="decrease")
+
+    def load(j, slot):
+        cols = (b, pl.ds(j * block_k, block_k), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[cols], k_smem.at[slot], loaded[0].at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[cols], v_smem.at[slot], loaded[1].at[slot])
+
+    def wait_free(slot):
+        plgpu.barrier_wait(free[0].at[slot])
+        plgpu.barrier_wait(free[1].at[slot])
+
+    produce(first, end, stages, load, wait_free)
+
+
+def program_ids(heads: tuple[int, ...], windows: tuple[int, ...]):
+    """(batch, head, window, warpgroup) of the running program: grid axis "heads" indexes the
+    static tuple of heads the call computes."""
+    slot = lax.axis_index("heads")
+    return (lax.axis_index("batch"), pick(slot, heads), pick(slot, windows),
+            lax.axis_index("wg"))
+
+
 def band_loops(union_first, union_end, ranges, skip, step, carry):
     """A consumer's walk over the streamed blocks [union_first, union_end).
 

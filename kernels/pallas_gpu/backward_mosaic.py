@@ -29,7 +29,7 @@ from ls_jax.kernels.band import (allowed, kv_block_range, kv_full_block_range, q
                                  q_full_block_range)
 from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMERS, band_loops, clamp_ranges, mma,
                                                    produce, produce_kv, program_ids, ring_slot,
-                                                   tile_iota)
+                                                   tile_iota, tile_union)
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE
 
 _TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -57,8 +57,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
     tile = num_tiles - 1 - lax.axis_index("tile")  # longest rows first
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
-    union_first, _ = kv_block_range(2 * tile, block_q, block_k, window, seq_len)
-    _, union_end = kv_block_range(2 * tile + 1, block_q, block_k, window, seq_len)
+    union_first, union_end = tile_union(kv_block_range, tile, block_q, block_k, window, seq_len)
 
     def slot_of(j):
         return ring_slot(j, union_first, stages)
@@ -135,8 +134,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     tile = lax.axis_index("tile")  # the first key tiles have the longest columns
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
-    union_first, _ = q_block_range(2 * tile, block_q, block_k, window, seq_len)
-    _, union_end = q_block_range(2 * tile + 1, block_q, block_k, window, seq_len)
+    union_first, union_end = tile_union(q_block_range, tile, block_q, block_k, window, seq_len)
 
     def slot_of(i):
         return ring_slot(i, union_first, stages)

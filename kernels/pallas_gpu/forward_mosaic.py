@@ -43,7 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ls_jax.kernels.band import allowed, kv_block_range, kv_full_block_range
 from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMERS, band_loops, clamp_ranges, mma,
                                                    produce_kv, program_ids, ring_slot,
-                                                   tile_iota)
+                                                   tile_iota, tile_union)
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
@@ -60,8 +60,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
     c = score_scale
 
     # key blocks of the whole tile: the union of the two consumers' ranges
-    union_first, _ = kv_block_range(2 * tile, block_q, block_k, window, seq_len)
-    _, union_end = kv_block_range(2 * tile + 1, block_q, block_k, window, seq_len)
+    union_first, union_end = tile_union(kv_block_range, tile, block_q, block_k, window, seq_len)
     num_steps = union_end - union_first
 
     def take_turn():

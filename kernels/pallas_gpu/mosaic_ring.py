@@ -111,6 +111,15 @@ def program_ids(heads: tuple[int, ...], windows: tuple[int, ...]):
             lax.axis_index("wg"))
 
 
+def tile_union(block_range, tile, block_q: int, block_k: int, window, seq_len: int):
+    """[first, end): the streamed blocks the two consumers of ``tile`` (its blocks 2 * tile and
+    2 * tile + 1) need together; ``block_range`` is ``kernels.band.kv_block_range`` or
+    ``q_block_range`` (both ranges grow with the block index)."""
+    first, _ = block_range(2 * tile, block_q, block_k, window, seq_len)
+    _, end = block_range(2 * tile + 1, block_q, block_k, window, seq_len)
+    return first, end
+
+
 def band_loops(union_first, union_end, ranges, skip, step, carry):
     """A consumer's walk over the streamed blocks [union_first, union_end).
 

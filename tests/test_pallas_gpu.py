@@ -334,9 +334,8 @@ def test_gpu_float32_matches_reference():
 # ---------------------------------------------------------------------------------------------
 # The Hopper forward (``forward_mosaic.py``): the Mosaic GPU kernel, with the Triton backward.
 
-def mosaic_config(block_q=64, block_k=64, stages=2, lowering="mosaic", bwd="triton",
-                  kv_splits=1):
-    return KernelConfig(fwd_lowering=lowering, bwd_lowering=bwd, mosaic_kv_splits=kv_splits, mosaic_block_q=block_q, mosaic_block_k=block_k,
+def mosaic_config(block_q=64, block_k=64, stages=2, lowering="mosaic", bwd="triton"):
+    return KernelConfig(fwd_lowering=lowering, bwd_lowering=bwd, mosaic_block_q=block_q, mosaic_block_k=block_k,
                         mosaic_stages=stages, fwd_block_q=16, fwd_block_k=16, dq_block_q=16,
                         dq_block_k=16, dkdv_block_q=16, dkdv_block_k=16)
 
@@ -348,9 +347,6 @@ MOSAIC_CASES = [
     (1, 384, 3, 1, 128, (7, None, 300), (64, 128, 2)),     # D = 128, 128-key blocks, MQA
     # global heads on the Mosaic kernel, local ones on the Triton kernel, one output
     (2, 160, 4, 2, 64, (5, None, 64, None), (64, 64, 2, "mixed")),
-    # ... with the global heads' key blocks in 2 and 3 parts per tile (one part may be empty)
-    (1, 384, 4, 4, 64, (None, 9, None, None), (64, 64, 2, "mixed", "triton", 2)),
-    (1, 256, 2, 2, 64, (None, 30), (64, 64, 2, "mixed", "triton", 3)),
 ]
 
 
@@ -400,9 +396,7 @@ class TestMosaicInterpret:
         ("mosaic", 1, (None, None, 130)),       # GQA: dK/dV per query head, summed
         ("mosaic-dq128", 3, (None, 7, 100)),    # dQ on 128-key blocks
         ("mixed", 3, (None, 20, None)),         # global heads Mosaic, local heads Triton
-        ("mixed-kvsplit", 3, (None, 20, None)),  # the forward's global heads in 2 parts
-    ], ids=["bwd-triton", "bwd-mosaic", "bwd-mosaic-mqa", "bwd-mosaic-dq128", "bwd-mixed",
-            "bwd-mixed-kvsplit"])
+    ], ids=["bwd-triton", "bwd-mosaic", "bwd-mosaic-mqa", "bwd-mosaic-dq128", "bwd-mixed"])
     def test_gradients_match_reference(self, bwd, Hkv, windows):
         B, T, Hq, D = 1, 200, 3, 64
         q, k, v, do = random_inputs(np.random.default_rng(3), B, T, Hq, Hkv, D, jnp.bfloat16)
@@ -411,8 +405,6 @@ class TestMosaicInterpret:
         config = mosaic_config(lowering="mixed", bwd=bwd.split("-")[0])
         if bwd.endswith("dq128"):
             config = dataclasses.replace(config, mosaic_dq_block_k=128)
-        if bwd.endswith("kvsplit"):
-            config = dataclasses.replace(config, mosaic_kv_splits=2)
 
         def ours(q, k, v):
             out, _ = pallas_gpu_attention(q, k, v, windows, config=config, interpret=True)
@@ -440,7 +432,6 @@ class TestMosaicInterpret:
         for bad, field in [(dict(mosaic_block_q=32), "mosaic_block_q"),
                            (dict(mosaic_stages=1), "mosaic_stages"),
                            (dict(mosaic_dq_block_k=96), "mosaic_dq_block_k"),
-                           (dict(mosaic_kv_splits=0), "mosaic_kv_splits"),
                            (dict(fwd_lowering="cuda"), "fwd_lowering")]:
             with pytest.raises(ValueError, match=field):
                 pallas_gpu_attention(q, q, q, (None,), config=dataclasses.replace(
@@ -458,7 +449,6 @@ MOSAIC_GPU_CASES = [
     (1, 4096, 4, 4, 64, (None,) * 4, (64, 128, 3, "mosaic", "mosaic")),
     (1, 3000, 8, 2, 128, (None, 50, 512, 1, None, 128, 3000, 7), (64, 128, 2, "mosaic", "mosaic")),
     (2, 2048, 8, 8, 128, (None, 128, None, 50, 128, 128, 1, 2048), (64, 128, 2, "mixed", "mixed")),
-    (2, 2048, 4, 4, 64, (None, 128, 5, None), (64, 128, 2, "mixed", "mixed", 2)),  # kv parts
 ]
 
 

@@ -143,10 +143,7 @@ def forward_call(plan: AttentionPlan, q, k, v, segment_ids):
     With ``config.fwd_lowering`` "mosaic", calls that fit it (``mosaic_ring.mosaic_fits``)
     run the Hopper kernel of ``forward_mosaic.py`` instead (same outputs); with "mixed" only
     their global heads do (a first launch) and this kernel computes the local heads into the
-    same buffers (a second launch, outputs aliased to the first's). With
-    ``config.mosaic_kv_splits`` > 1 the order flips: this kernel runs the local heads, the
-    Hopper kernel the global heads' tiles in key-block parts, and their combination is put
-    into the global heads' rows.
+    same buffers (a second launch, outputs aliased to the first's).
     """
     B, Tp, H, Dp = q.shape
     prefilled = ()
@@ -157,42 +154,10 @@ def forward_call(plan: AttentionPlan, q, k, v, segment_ids):
         wide = tuple(h for h, w in enumerate(plan.window_table()) if is_global(w, Tp))
         if lowering == "mosaic" or len(wide) == H:
             return forward_call_mosaic(plan, q, k, v)
-        if wide and plan.config.mosaic_kv_splits > 1:  # the local heads, then the global
-            local = tuple(h for h in range(H) if h not in wide)
-            outs = _triton_forward(plan, q, k, v, segment_ids, local, ())
-            parts = forward_call_mosaic(plan, q, k, v, heads=wide,
-                                        kv_splits=plan.config.mosaic_kv_splits)
-            return _put_heads(outs, parts, wide)
         if wide:  # "mixed": the global heads on the Hopper kernel, the local ones below
             prefilled = tuple(x for x in forward_call_mosaic(plan, q, k, v, heads=wide)
                               if x is not None)
             heads = [h for h in range(H) if h not in wide]
-    return _triton_forward(plan, q, k, v, segment_ids, None if not prefilled else heads,
-                           prefilled)
-
-
-def _put_heads(outs, parts, heads):
-    """``outs`` (out [B, T, H, D], lse2 and statistics [B, H, T]) with the rows of ``heads``
-    replaced by ``parts`` (the same, holding only those heads, in order), run by run of
-    consecutive heads (in-place slice updates)."""
-    out, lse2, stats = outs
-    i = 0
-    while i < len(heads):
-        j = i
-        while j + 1 < len(heads) and heads[j + 1] == heads[j] + 1:
-            j += 1
-        h0, h1 = heads[i], heads[j] + 1
-        out = out.at[:, :, h0:h1].set(parts[0][:, :, i:j + 1])
-        lse2 = lse2.at[:, h0:h1].set(parts[1][:, i:j + 1])
-        if stats is not None:
-            stats = stats.at[:, h0:h1].set(parts[2][:, i:j + 1])
-        i = j + 1
-    return out, lse2, stats
-
-
-def _triton_forward(plan: AttentionPlan, q, k, v, segment_ids, heads, prefilled):
-    """The Triton forward for ``heads`` (None: all), into ``prefilled`` (aliased) if given."""
-    B, Tp, H, Dp = q.shape
     G = k.shape[2]
     programs = plan.query_plan("fwd")
     c = plan.config
@@ -200,7 +165,7 @@ def _triton_forward(plan: AttentionPlan, q, k, v, segment_ids, heads, prefilled)
     head_table = jnp.stack([jnp.asarray(plan.window_table(), jnp.int32),
                             jnp.asarray(programs.head_class)])
     schedule = programs.schedule
-    if heads is not None:  # only the heads the Mosaic kernel leaves out
+    if prefilled:  # only the heads the Mosaic kernel left out
         schedule = schedule[np.isin(schedule // programs.num_slots, heads)]
     schedule = jnp.asarray(schedule)
     kernel = functools.partial(

@@ -42,32 +42,25 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import allowed, kv_block_range, kv_full_block_range
 from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMERS, band_loops, clamp_ranges, mma,
-                                                   clamp_to, produce_kv, program_ids, ring_slot,
+                                                   produce_kv, program_ids, ring_slot,
                                                    tile_iota, tile_union)
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
             block_q, block_k, stages, num_tiles, seq_len, score_scale, scale, with_stats,
-            interpret, kv_splits):
+            interpret):
     smem, loaded, freed, turn = scoped
     q_smem2, k_smem, v_smem, lse_smem2, stat_smem2 = smem
     k_loaded, v_loaded, q_loaded = loaded
     k_free, v_free = freed
     b, h, window, wg = program_ids(heads, windows)
-    program = lax.axis_index("q_seq")
-    tile = num_tiles - 1 - program // kv_splits  # longest rows first
+    tile = num_tiles - 1 - lax.axis_index("q_seq")  # longest rows first
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
     c = score_scale
 
-    # key blocks of the whole tile: the union of the two consumers' ranges (with kv_splits,
-    # this program's share of it: a part of the tile's key blocks, combined by the caller)
+    # key blocks of the whole tile: the union of the two consumers' ranges
     union_first, union_end = tile_union(kv_block_range, tile, block_q, block_k, window, seq_len)
-    part = lax.rem(program, jnp.int32(kv_splits))
-    if kv_splits > 1:
-        chunk = (union_end - union_first + kv_splits - 1) // kv_splits
-        union_first = jnp.minimum(union_first + part * chunk, union_end)
-        union_end = jnp.minimum(union_first + chunk, union_end)
     num_steps = union_end - union_first
 
     def take_turn():
@@ -90,8 +83,6 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
         ranges = clamp_ranges(
             *kv_block_range(q_block, block_q, block_k, window, seq_len),
             *kv_full_block_range(q_block, block_q, block_k, window, seq_len))
-        if kv_splits > 1:
-            ranges = clamp_to(ranges, union_first, union_end)
 
         def row_vector(value):
             return plgpu.layout_cast(jnp.full((block_q,), value, jnp.float32),
@@ -153,8 +144,6 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
 
         acc_QxD, m_Q, l_Q, *min_Q = carry
         inv_l_Q = 1.0 / l_Q
-        if kv_splits > 1:  # a row may see no key of this part: out 0, lse -inf
-            inv_l_Q = jnp.where(l_Q > 0.0, inv_l_Q, 0.0)
         q_smem[...] = (acc_QxD * lax.broadcast_in_dim(inv_l_Q, acc_QxD.shape, [0])).astype(dtype)
         lse_smem = lse_smem2.at[wg]
         lse_smem[...] = m_Q + jnp.log2(l_Q)
@@ -163,15 +152,10 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
             stat_smem[...] = jnp.maximum(m_Q * (1.0 / LOG2_E), -min_Q[0] * scale)
         plgpu.commit_smem()
         rows = pl.ds(q_first, block_q)
-        if kv_splits > 1:  # per part, heads in the call's order: [S, B, T, Hs, D], [S, B, Hs, T]
-            slot = lax.axis_index("heads")
-            out_at, row_at = (part, b, rows, slot), (part, b, slot, rows)
-        else:
-            out_at, row_at = (b, rows, h), (b, h, rows)
-        plgpu.copy_smem_to_gmem(q_smem, out_ref.at[out_at])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[row_at])
+        plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, rows, h])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
         if with_stats:
-            plgpu.copy_smem_to_gmem(stat_smem, stat_ref.at[row_at])
+            plgpu.copy_smem_to_gmem(stat_smem, stat_ref.at[b, h, rows])
         plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg == CONSUMERS)(functools.partial(
@@ -180,18 +164,13 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
         end=union_end, stages=stages))
 
 
-def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None,
-                        kv_splits: int = 1):
+def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
     """The Mosaic GPU forward on padded inputs: same arguments (no segment ids) and outputs as
     ``forward.forward_call``. Needs ``mosaic_ring.mosaic_fits`` and Tp a multiple of 2 * block_q and of
     block_k (``make_plan`` pads so).
 
     heads: the query heads to compute (default all); the other heads' rows of the outputs are
     left unwritten, for the Triton forward to fill in (``forward.forward_call``).
-    kv_splits > 1: each tile's key blocks are cut into that many parts, one program each (more
-    programs for few heads: a lone global head's longest rows no longer set the launch's
-    length), combined here; the outputs then hold only ``heads``, in that order:
-    out [B, Tp, len(heads), Dp], lse2 and statistics [B, len(heads), Tp].
     """
     B, Tp, H, Dp = q.shape
     G = k.shape[2]
@@ -218,7 +197,7 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None,
             _kernel, q_ref, k_ref, v_ref, out_ref, lse_ref, stat[0] if with_stats else None,
             heads=heads, windows=windows, group=H // G, block_q=block_q, block_k=block_k,
             stages=stages, num_tiles=num_tiles, seq_len=Tp, score_scale=plan.scale * LOG2_E,
-            scale=plan.scale, with_stats=with_stats, interpret=interpret, kv_splits=kv_splits)
+            scale=plan.scale, with_stats=with_stats, interpret=interpret)
         pl.run_scoped(
             lambda *scoped: body(scoped),
             scratch,
@@ -229,16 +208,10 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None,
             collective_axes="wg",
         )
 
-    if kv_splits > 1:
-        Hs = len(heads)
-        out_type = [jax.ShapeDtypeStruct((kv_splits, B, Tp, Hs, Dp), q.dtype)]
-        out_type += [jax.ShapeDtypeStruct((kv_splits, B, Hs, Tp), jnp.float32)] * (
-            2 if with_stats else 1)
-    else:
-        out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-                    jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)]
-        if with_stats:
-            out_type.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
+    out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)]
+    if with_stats:
+        out_type.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
     extra = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -246,26 +219,11 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None,
     outs = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(len(heads), num_tiles * kv_splits, B),
+        grid=(len(heads), num_tiles, B),
         grid_names=("heads", "q_seq", "batch"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **extra,
     )(q, k, v)
-    if kv_splits > 1:
-        return combine_parts(*outs[:2], outs[2] if with_stats else None)
     return outs[0], outs[1], outs[2] if with_stats else None
-
-
-def combine_parts(out_parts, lse_parts, stat_parts=None):
-    """One softmax from parts over disjoint key ranges: out_parts [S, B, T, H, D] (each part
-    normalised by its own sum), lse_parts [S, B, H, T] (log2 domain; -inf for a row that saw
-    no key of a part, whose out is 0). Returns out [B, T, H, D], lse2 [B, H, T], and the
-    per-row max of stat_parts (or None)."""
-    top = jnp.max(lse_parts, axis=0)
-    lse2 = top + jnp.log2(jnp.sum(jnp.exp2(lse_parts - top), axis=0))
-    weights = jnp.exp2(lse_parts - lse2)  # [S, B, H, T]
-    out = jnp.einsum("sbht,sbthd->bthd", weights, out_parts.astype(jnp.float32))
-    stats = None if stat_parts is None else jnp.max(stat_parts, axis=0)
-    return out.astype(out_parts.dtype), lse2, stats

@@ -144,15 +144,6 @@ def clamp_ranges(first, end, full_first, full_end):
     return first, lo, hi, end
 
 
-def clamp_to(ranges, lower, upper):
-    """``ranges`` (first, lo, hi, end) cut to the streamed blocks [lower, upper)."""
-    first, lo, hi, end = ranges
-    first = jnp.clip(first, lower, upper)
-    end = jnp.clip(end, first, upper)
-    lo = jnp.clip(lo, first, end)
-    return first, lo, jnp.clip(hi, lo, end), end
-
-
 def mma(acc, a, b_smem, *, transpose_b: bool, interpret: bool):
     """``acc + a @ b`` (``a @ b`` when acc is None) in float32 on the tensor cores (wgmma):
     ``a`` a shared-memory ref or a register array, ``b_smem`` a shared-memory ref, used

@@ -73,8 +73,6 @@ class KernelConfig:
     else the Triton kernels run every head): ``backward_mosaic.py`` with blocks
     mosaic_bwd_block_q x mosaic_bwd_block_k (a consumer owns one block of its side);
     mosaic_dq_block_k: the dQ kernel's streamed key blocks (0: mosaic_bwd_block_k).
-    mosaic_kv_splits: in the "mixed" forward, each global-head tile's key blocks are cut into
-    this many parts run by separate programs and combined (1: no split).
     """
 
     fwd_block_q: int = 64
@@ -106,7 +104,6 @@ class KernelConfig:
     mosaic_bwd_block_q: int = 64
     mosaic_bwd_block_k: int = 64
     mosaic_dq_block_k: int = 0
-    mosaic_kv_splits: int = 1
 
     def blocks(self) -> tuple[int, ...]:
         blocks = tuple(getattr(self, name) for name in _BLOCK_FIELDS + _WIDE_BLOCK_FIELDS
@@ -146,9 +143,6 @@ class KernelConfig:
         if not isinstance(value, int) or (value and (value < 64 or value & (value - 1))):
             raise ValueError(f"config.mosaic_dq_block_k: expected 0 or a power of two >= 64, "
                              f"got {value!r}")
-        if not isinstance(self.mosaic_kv_splits, int) or self.mosaic_kv_splits < 1:
-            raise ValueError(f"config.mosaic_kv_splits: expected an int >= 1, got "
-                             f"{self.mosaic_kv_splits!r}")
         if not isinstance(self.mosaic_stages, int) or self.mosaic_stages < 2:
             raise ValueError(f"config.mosaic_stages: expected an int >= 2, got "
                              f"{self.mosaic_stages!r}")

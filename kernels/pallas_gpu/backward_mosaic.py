@@ -25,25 +25,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ls_jax.kernels.band import (allowed, kv_block_range, kv_full_block_range, q_block_range,
-                                 q_full_block_range)
-from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMERS, band_loops, clamp_ranges, mma,
-                                                   produce, produce_kv, program_ids, ring_slot,
+from ls_jax.kernels.band import allowed, kv_block_range, q_block_range
+from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMERS, TILE_TRANSFORMS, band_loops,
+                                                   launch, mma, produce, produce_kv,
+                                                   program_ids, ring_slot, selected_heads,
                                                    tile_iota, tile_union)
-from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE
-
-_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-
-def _launch(body, out_type, *, grid_len, num_tiles, B, interpret):
-    extra = {}
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        extra["interpret"] = InterpretGPUParams()
-    return plgpu.kernel(
-        body, out_type=out_type, grid=(grid_len, num_tiles, B),
-        grid_names=("heads", "tile", "batch"), num_threads=CONSUMERS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), **extra)
+from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, split_kv_loop, split_q_loop
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, *, heads,
@@ -79,9 +66,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
             plgpu.barrier_wait(own_loaded.at[wg * 4 + n])
         lse_Q = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
         delta_Q = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-        ranges = clamp_ranges(
-            *kv_block_range(q_block, block_q, block_k, window, seq_len),
-            *kv_full_block_range(q_block, block_q, block_k, window, seq_len))
+        ranges = split_kv_loop(q_block, block_q, block_k, window, seq_len)
 
         def skip(j, _):
             slot = slot_of(j)
@@ -153,9 +138,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         plgpu.barrier_wait(own_loaded.at[2 * wg + 1])
         # the query blocks are [first, end); masks on [first, lo) (diagonal) and [hi, end)
         # (window edge), none on [lo, hi)
-        ranges = clamp_ranges(
-            *q_block_range(k_block, block_q, block_k, window, seq_len),
-            *q_full_block_range(k_block, block_q, block_k, window, seq_len))
+        ranges = split_q_loop(k_block, block_q, block_k, window, seq_len)
 
         def skip(i, _):
             slot = slot_of(i)
@@ -217,10 +200,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
 def _static(plan, q, k, heads):
     B, Tp, H, Dp = q.shape
-    heads = tuple(range(H)) if heads is None else tuple(heads)
+    heads, windows = selected_heads(plan, H, heads)
     cfg = plan.config
     return heads, dict(
-        heads=heads, windows=tuple(plan.window_table()[h] for h in heads),
+        heads=heads, windows=windows,
         group=H // k.shape[2], block_q=cfg.mosaic_bwd_block_q, block_k=cfg.mosaic_bwd_block_k,
         stages=cfg.mosaic_stages, seq_len=Tp, score_scale=plan.scale * LOG2_E,
         scale=plan.scale, interpret=plan.interpret)
@@ -238,17 +221,17 @@ def dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None):
         rows = plgpu.SMEM((CONSUMERS, bq), jnp.float32)
         pl.run_scoped(
             lambda *scoped: _dq_kernel(*refs, scoped, num_tiles=num_tiles, **static),
-            [plgpu.SMEM((CONSUMERS, bq, Dp), q.dtype, transforms=_TRANSFORMS),
-             plgpu.SMEM((CONSUMERS, bq, Dp), q.dtype, transforms=_TRANSFORMS), rows, rows,
-             plgpu.SMEM((stages, bk, Dp), q.dtype, transforms=_TRANSFORMS),
-             plgpu.SMEM((stages, bk, Dp), q.dtype, transforms=_TRANSFORMS)],
+            [plgpu.SMEM((CONSUMERS, bq, Dp), q.dtype, transforms=TILE_TRANSFORMS),
+             plgpu.SMEM((CONSUMERS, bq, Dp), q.dtype, transforms=TILE_TRANSFORMS), rows, rows,
+             plgpu.SMEM((stages, bk, Dp), q.dtype, transforms=TILE_TRANSFORMS),
+             plgpu.SMEM((stages, bk, Dp), q.dtype, transforms=TILE_TRANSFORMS)],
             (plgpu.Barrier(num_barriers=4 * CONSUMERS), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=stages)),
             (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2,
             collective_axes="wg")
 
-    return _launch(entry, jax.ShapeDtypeStruct(q.shape, q.dtype), grid_len=len(heads),
-                   num_tiles=num_tiles, B=B, interpret=plan.interpret)(
+    return launch(entry, jax.ShapeDtypeStruct(q.shape, q.dtype), num_heads=len(heads),
+                  num_tiles=num_tiles, batch=B, interpret=plan.interpret)(
         q, k, v, do, lse2, delta)
 
 
@@ -261,8 +244,8 @@ def dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None):
     num_tiles = Tp // (CONSUMERS * bk)
 
     def entry(*refs):
-        own = plgpu.SMEM((CONSUMERS, bk, Dp), k.dtype, transforms=_TRANSFORMS)
-        ring = plgpu.SMEM((stages, bq, Dp), q.dtype, transforms=_TRANSFORMS)
+        own = plgpu.SMEM((CONSUMERS, bk, Dp), k.dtype, transforms=TILE_TRANSFORMS)
+        ring = plgpu.SMEM((stages, bq, Dp), q.dtype, transforms=TILE_TRANSFORMS)
         rows = plgpu.SMEM((stages, bq), jnp.float32)
         pl.run_scoped(
             lambda *scoped: _dkdv_kernel(*refs, scoped, num_tiles=num_tiles, **static),
@@ -273,5 +256,5 @@ def dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None):
             collective_axes="wg")
 
     shape = jax.ShapeDtypeStruct((B, Tp, H, Dp), k.dtype)
-    return _launch(entry, [shape, shape], grid_len=len(heads), num_tiles=num_tiles, B=B,
-                   interpret=plan.interpret)(q, k, v, do, lse2, delta)
+    return launch(entry, [shape, shape], num_heads=len(heads), num_tiles=num_tiles, batch=B,
+                  interpret=plan.interpret)(q, k, v, do, lse2, delta)

@@ -18,8 +18,8 @@ A local head's band is a few key blocks: the producer loads the union of the two
 ranges (``kernels.band.kv_block_range``), and a consumer steps through the blocks outside its
 own range without computing (it still waits on and releases each slot, and keeps its turn in
 the ping-pong) so every barrier stays in phase. Inside its range a consumer runs a masked loop
-at the window edge, an unmasked loop over the blocks fully inside the band
-(``kernels.band.kv_full_block_range``) and a masked loop on the diagonal. Query tiles run
+at the window edge, an unmasked loop over the blocks fully inside the band and a masked loop
+on the diagonal (the ranges of the Triton kernels: ``tiles.split_kv_loop``). Query tiles run
 from the last (longest) to the first, so a global head's long rows start first.
 
 Outputs are those of ``forward.forward_call``: out, lse2 (log2 domain) and the per-row
@@ -40,11 +40,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ls_jax.kernels.band import allowed, kv_block_range, kv_full_block_range
-from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMERS, band_loops, clamp_ranges, mma,
-                                                   produce_kv, program_ids, ring_slot,
-                                                   tile_iota, tile_union)
-from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR
+from ls_jax.kernels.band import allowed, kv_block_range
+from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMERS, TILE_TRANSFORMS, band_loops,
+                                                   launch, mma, produce_kv, program_ids,
+                                                   ring_slot, selected_heads, tile_iota,
+                                                   tile_union)
+from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR, split_kv_loop
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
             block_q, block_k, stages, num_tiles, seq_len, score_scale, scale, with_stats,
@@ -54,7 +55,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
     k_loaded, v_loaded, q_loaded = loaded
     k_free, v_free = freed
     b, h, window, wg = program_ids(heads, windows)
-    tile = num_tiles - 1 - lax.axis_index("q_seq")  # longest rows first
+    tile = num_tiles - 1 - lax.axis_index("tile")  # longest rows first
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
     c = score_scale
@@ -80,9 +81,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
                                 q_loaded.at[wg])
         plgpu.barrier_wait(q_loaded.at[wg])
 
-        ranges = clamp_ranges(
-            *kv_block_range(q_block, block_q, block_k, window, seq_len),
-            *kv_full_block_range(q_block, block_q, block_k, window, seq_len))
+        ranges = split_kv_loop(q_block, block_q, block_k, window, seq_len)
 
         def row_vector(value):
             return plgpu.layout_cast(jnp.full((block_q,), value, jnp.float32),
@@ -180,16 +179,14 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
     assert num_tiles * CONSUMERS * block_q == Tp and Tp % block_k == 0, (Tp, block_q, block_k)
     with_stats = plan.logit_stats
     interpret = plan.interpret
-    heads = tuple(range(H)) if heads is None else tuple(heads)
-    windows = tuple(plan.window_table()[h] for h in heads)
+    heads, windows = selected_heads(plan, H, heads)
 
     def entry(q_ref, k_ref, v_ref, out_ref, lse_ref, *stat):
-        transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         rows = plgpu.SMEM((CONSUMERS, block_q), jnp.float32)
         scratch = [
-            plgpu.SMEM((CONSUMERS, block_q, Dp), q.dtype, transforms=transforms),
-            plgpu.SMEM((stages, block_k, Dp), q.dtype, transforms=transforms),
-            plgpu.SMEM((stages, block_k, Dp), q.dtype, transforms=transforms),
+            plgpu.SMEM((CONSUMERS, block_q, Dp), q.dtype, transforms=TILE_TRANSFORMS),
+            plgpu.SMEM((stages, block_k, Dp), q.dtype, transforms=TILE_TRANSFORMS),
+            plgpu.SMEM((stages, block_k, Dp), q.dtype, transforms=TILE_TRANSFORMS),
             rows,
             rows if with_stats else None,
         ]
@@ -212,18 +209,6 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
                 jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)]
     if with_stats:
         out_type.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
-    extra = {}
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        extra["interpret"] = InterpretGPUParams()
-    outs = plgpu.kernel(
-        entry,
-        out_type=out_type,
-        grid=(len(heads), num_tiles, B),
-        grid_names=("heads", "q_seq", "batch"),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        **extra,
-    )(q, k, v)
+    outs = launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
+                  interpret=interpret)(q, k, v)
     return outs[0], outs[1], outs[2] if with_stats else None

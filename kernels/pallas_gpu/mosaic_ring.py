@@ -1,5 +1,6 @@
-"""Pieces the Mosaic GPU kernels share: the producer's TMA ring, the consumers' band loops, and
-a tensor-core multiply-accumulate that also runs in Pallas' GPU interpreter.
+"""Pieces the Mosaic GPU kernels share: when they apply, their launch, the producer's TMA ring,
+the consumers' band loops, and a tensor-core multiply-accumulate that also runs in Pallas' GPU
+interpreter.
 
 Every Mosaic kernel here has the same shape: two *consumer* warpgroups each own one block
 (of query rows in the forward and dQ, of key rows in dK/dV) and a *producer* warpgroup
@@ -48,6 +49,30 @@ def mosaic_fits(dtype, head_dim: int, has_segments: bool, interpret: bool = Fals
     return (jnp.dtype(dtype) in tuple(map(jnp.dtype, MOSAIC_DTYPES))
             and head_dim % MOSAIC_HEAD_DIM == 0 and not has_segments
             and (interpret or is_hopper()))
+
+
+# shared-memory layout of every [rows, D] tile: 8x64 tiles, 128-byte swizzle (what wgmma and
+# TMA take for 16-bit data)
+TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def selected_heads(plan, num_heads: int, heads):
+    """(heads, their effective windows) as static tuples: ``heads`` None means all."""
+    heads = tuple(range(num_heads)) if heads is None else tuple(heads)
+    return heads, tuple(plan.window_table()[h] for h in heads)
+
+
+def launch(body, out_type, *, num_heads: int, num_tiles: int, batch: int, interpret: bool):
+    """``plgpu.kernel`` over the grid (head, tile, batch) with the producer and the consumers
+    as warpgroups "wg" (in Pallas' GPU interpreter when ``interpret``)."""
+    extra = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        extra["interpret"] = InterpretGPUParams()
+    return plgpu.kernel(
+        body, out_type=out_type, grid=(num_heads, num_tiles, batch),
+        grid_names=("heads", "tile", "batch"), num_threads=CONSUMERS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True), **extra)
 
 
 def pick(i, values: tuple[int, ...]):
@@ -134,14 +159,6 @@ def band_loops(union_first, union_end, ranges, skip, step, carry):
     carry = lax.fori_loop(hi, end, functools.partial(step, masked=True), carry)
     lax.fori_loop(end, union_end, skip, None)
     return carry
-
-
-def clamp_ranges(first, end, full_first, full_end):
-    """(first, lo, hi, end): the fully-inside sub-range [full_first, full_end) clamped into
-    [first, end) (``kernels.band``'s full ranges may be empty or run past the band)."""
-    lo = jnp.clip(full_first, first, end)
-    hi = jnp.clip(full_end, lo, end)
-    return first, lo, hi, end
 
 
 def mma(acc, a, b_smem, *, transpose_b: bool, interpret: bool):

@@ -23,11 +23,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ls_jax.kernels.band import is_global
 from ls_jax.kernels.pallas_gpu.backward_mosaic import dkdv_call_mosaic, dq_call_mosaic
 from ls_jax.kernels.pallas_gpu.mosaic_ring import mosaic_fits
 from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, ClassPaths, TilePath
@@ -200,11 +198,6 @@ def _compiler_params(plan: AttentionPlan):
                                 num_stages=plan.config.bwd_num_stages)
 
 
-def _only(schedule: np.ndarray, num_slots: int, heads) -> np.ndarray:
-    """The items of ``schedule`` whose head (query head, or kv head for dK/dV) is in heads."""
-    return schedule if heads is None else schedule[np.isin(schedule // num_slots, heads)]
-
-
 def dq_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2, *, delta=None,
             prefilled=None, heads=None):
     """Runs the dQ kernel on padded inputs; returns (dq [B, Tp, H, Dp] in q's dtype, delta
@@ -218,7 +211,7 @@ def dq_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2, *, delta=N
     """
     B, Tp, H, Dp = q.shape
     programs = plan.query_plan("dq")
-    schedule = jnp.asarray(_only(programs.schedule, programs.num_slots, heads))
+    schedule = jnp.asarray(programs.schedule_of(heads))
     head_table = jnp.stack([jnp.asarray(plan.window_table(), jnp.int32),
                             jnp.asarray(programs.head_class)])
     seg = [] if segment_ids is None else [segment_ids]
@@ -257,7 +250,7 @@ def dkdv_call(plan: AttentionPlan, q, k, v, segment_ids, do, lse2, delta, *, pre
     ``kv_heads``: compute only these kv heads, into ``prefilled`` = (dk, dv) (aliased)."""
     B = q.shape[0]
     programs = plan.key_plan()
-    schedule = jnp.asarray(_only(programs.schedule, programs.num_slots, kv_heads))
+    schedule = jnp.asarray(programs.schedule_of(kv_heads))
     seg = [] if segment_ids is None else [segment_ids]
     aliased = [] if prefilled is None else list(prefilled)
     inputs = (schedule, jnp.asarray(plan.window_table(), jnp.int32),
@@ -290,9 +283,9 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
     lowering = plan.config.bwd_lowering
     if lowering != "triton" and mosaic_fits(q.dtype, Dp, segment_ids is not None,
                                             plan.interpret):
-        wide = tuple(h for h, w in enumerate(plan.window_table()) if is_global(w, Tp))
-        delta = row_delta(out, do)
+        wide = plan.global_heads()
         if lowering == "mosaic" or len(wide) == H:
+            delta = row_delta(out, do)
             dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta)
             dk, dv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta)
             if G < H:  # sum each group's query heads
@@ -301,6 +294,7 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
             return dq, dk, dv
         if wide and G == H:
             local = [h for h in range(H) if h not in wide]
+            delta = row_delta(out, do)
             dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
             dkdv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
             dq, _ = dq_call(plan, q, k, v, segment_ids, do, out, lse2, delta=delta,

@@ -18,11 +18,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ls_jax.kernels.band import is_global
 from ls_jax.kernels.pallas_gpu.forward_mosaic import forward_call_mosaic
 from ls_jax.kernels.pallas_gpu.mosaic_ring import mosaic_fits
 from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, ClassPaths, TilePath
@@ -146,12 +144,11 @@ def forward_call(plan: AttentionPlan, q, k, v, segment_ids):
     same buffers (a second launch, outputs aliased to the first's).
     """
     B, Tp, H, Dp = q.shape
-    prefilled = ()
-    heads = range(H)
+    prefilled, heads = (), None  # heads: the ones this kernel computes (None: all)
     lowering = plan.config.fwd_lowering
     if lowering != "triton" and mosaic_fits(q.dtype, Dp, segment_ids is not None,
                                             plan.interpret):
-        wide = tuple(h for h, w in enumerate(plan.window_table()) if is_global(w, Tp))
+        wide = plan.global_heads()
         if lowering == "mosaic" or len(wide) == H:
             return forward_call_mosaic(plan, q, k, v)
         if wide:  # "mixed": the global heads on the Hopper kernel, the local ones below
@@ -164,10 +161,7 @@ def forward_call(plan: AttentionPlan, q, k, v, segment_ids):
     # per-head table: row 0 the effective window, row 1 the head's class
     head_table = jnp.stack([jnp.asarray(plan.window_table(), jnp.int32),
                             jnp.asarray(programs.head_class)])
-    schedule = programs.schedule
-    if prefilled:  # only the heads the Mosaic kernel left out
-        schedule = schedule[np.isin(schedule // programs.num_slots, heads)]
-    schedule = jnp.asarray(schedule)
+    schedule = jnp.asarray(programs.schedule_of(heads))
     kernel = functools.partial(
         _forward_kernel, paths=programs.paths, num_slots=programs.num_slots, group=H // G,
         seq_len=Tp, score_scale=plan.scale * LOG2_E, scale=plan.scale,

@@ -187,8 +187,10 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
                             dkdv_block_q=32, dkdv_block_k=64, fwd_num_stages=2,
                             bwd_num_stages=2)
     config = KernelConfig()
-    all_global = window_sizes is not None and all(
-        p is None or (seq_len is not None and is_global(p, seq_len)) for p in window_sizes)
+    # per head: global? (unknown windows count as one global head)
+    global_flags = [True] if window_sizes is None else [
+        p is None or (seq_len is not None and is_global(p, seq_len)) for p in window_sizes]
+    all_global = window_sizes is not None and all(global_flags)
     if all_global:  # split: 1.4% faster than cond on all-global fwd, twice (kernel-notes)
         config = dataclasses.replace(config, wide_fwd_block_q=128, wide_dq_block_q=128,
                                      wide_dkdv_block_k=128, wide_fwd_loop="split")
@@ -196,9 +198,7 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
         config = dataclasses.replace(config, fwd_num_warps=8, bwd_num_warps=8)
     # LS mixes keep 4 warps at D=128: with 8 (the earlier default for D > 64) the 1 global +
     # 15 local forward at p=512 took 1.243 ms against 0.627 ms (H100, docs/performance.md run H)
-    has_global = window_sizes is None or any(
-        p is None or (seq_len is not None and is_global(p, seq_len)) for p in window_sizes)
-    if has_global:
+    if any(global_flags):
         # the Hopper forward (forward_mosaic.py; Triton where it does not fit: other GPUs,
         # float32, D not a multiple of 64, segment ids) for the global heads. H100, run J:
         # all global 1.00x cuDNN's forward (Triton 0.79x), D=64 and 128; LS mixes 4-35% faster
@@ -233,6 +233,13 @@ class ProgramPlan:
     head_class: np.ndarray
     paths: ClassPaths
     num_slots: int
+
+    def schedule_of(self, heads=None) -> np.ndarray:
+        """The schedule's items whose head (query head; kv head for dK/dV) is in ``heads``
+        (None: all), in schedule order."""
+        if heads is None:
+            return self.schedule
+        return self.schedule[np.isin(self.schedule // self.num_slots, list(heads))]
 
 
 def _program_plan(head_windows, seq_len: int, narrow: TilePath, wide: TilePath,
@@ -308,6 +315,11 @@ class AttentionPlan:
     def window_table(self) -> tuple[int, ...]:
         """Each query head's effective window over the padded length."""
         return effective_windows(self.windows, self.seq_len_padded)
+
+    def global_heads(self) -> tuple[int, ...]:
+        """The query heads that see every earlier key (window None or >= the length)."""
+        return tuple(h for h, w in enumerate(self.window_table())
+                     if is_global(w, self.seq_len_padded))
 
     def query_plan(self, kernel: str) -> ProgramPlan:
         """Programs of the forward ("fwd") or dQ ("dq") kernel."""

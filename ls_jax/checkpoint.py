@@ -192,6 +192,12 @@ class Checkpointer:
         if step not in steps:
             raise CheckpointError(
                 f"checkpoint: expected a step in {steps} for {self.directory}, got {step}")
+        layout = self.data_layout(step) if data_iterator is not None else None
+        return self._restore(step, abstract_state, data_iterator, layout, partial)
+
+    def _restore(self, step: int, abstract_state: Any, data_iterator: Any | None,
+                 layout: DataLayout | None, partial: bool):
+        """``restore`` of an existing ``step`` whose ``data_layout`` the caller has read."""
         step_dir = os.path.join(self.directory, str(step))
         has_checksums = os.path.isdir(os.path.join(step_dir, "checksums"))
         if partial:
@@ -204,7 +210,6 @@ class Checkpointer:
             items["checksums"] = ocp.args.JsonRestore()
         if data_iterator is not None:
             import grain
-            layout = self.data_layout(step)
             if layout is not None and layout.process_count != jax.process_count():
                 raise CheckpointError(
                     f"checkpoint: the data position of step {step} in {self.directory} was saved "
@@ -249,9 +254,12 @@ class Checkpointer:
         damaged = []
         for step in reversed(steps):
             try:
-                data_iterator = (data_iterator_for(step, self.data_layout(step))
-                                 if data_iterator_for is not None else None)
-                step, state = self.restore(step, abstract_state, data_iterator)
+                layout = data_iterator = None
+                if data_iterator_for is not None:  # the layout is read once per step tried
+                    layout = self.data_layout(step)
+                    data_iterator = data_iterator_for(step, layout)
+                step, state = self._restore(step, abstract_state, data_iterator, layout,
+                                            partial=False)
             except CheckpointError as e:
                 damaged.append((step, e))
                 continue

@@ -334,9 +334,11 @@ def test_gpu_float32_matches_reference():
 # ---------------------------------------------------------------------------------------------
 # The Hopper forward (``forward_mosaic.py``): the Mosaic GPU kernel, with the Triton backward.
 
-def mosaic_config(block_q=64, block_k=64, stages=2, lowering="mosaic", bwd="triton"):
-    return KernelConfig(fwd_lowering=lowering, bwd_lowering=bwd, mosaic_block_q=block_q, mosaic_block_k=block_k,
-                        mosaic_stages=stages, fwd_block_q=16, fwd_block_k=16, dq_block_q=16,
+def mosaic_config(block_q=64, block_k=64, stages=2, lowering="mosaic", bwd="triton",
+                  bwd_block_q=64):
+    return KernelConfig(fwd_lowering=lowering, bwd_lowering=bwd, mosaic_block_q=block_q,
+                        mosaic_block_k=block_k, mosaic_stages=stages,
+                        mosaic_bwd_block_q=bwd_block_q, fwd_block_q=16, fwd_block_k=16, dq_block_q=16,
                         dq_block_k=16, dkdv_block_q=16, dkdv_block_k=16)
 
 
@@ -371,6 +373,13 @@ def test_default_lowerings(dtype, D, windows, T, want):
     assert (config.fwd_lowering, config.bwd_lowering) == want
 
 
+@pytest.mark.parametrize("D,want", [(64, 128), (128, 64)])
+def test_default_hopper_backward_query_blocks(D, want):
+    """128-row query blocks in the Hopper backward at D <= 64, 64 at D=128 (run K)."""
+    from ls_jax.kernels.pallas_gpu import default_config
+    assert default_config(jnp.bfloat16, D, (None,) * 4, 8192).mosaic_bwd_block_q == want
+
+
 class TestMosaicInterpret:
     """The Mosaic GPU forward in Pallas' GPU interpreter on CPU (threads, barriers, TMA
     simulated; a barrier phase no thread observed is an error there), bfloat16."""
@@ -394,9 +403,9 @@ class TestMosaicInterpret:
         ("triton", 1, (None, 20, None)),        # the Mosaic forward, the Triton backward
         ("mosaic", 3, (None, 20, 64)),          # every head on the Mosaic backward
         ("mosaic", 1, (None, None, 130)),       # GQA: dK/dV per query head, summed
-        ("mosaic-dq128", 3, (None, 7, 100)),    # dQ on 128-key blocks
+        ("mosaic-q128dq128", 3, (None, 7, 100)),    # 128-row query blocks, dQ on 128-key blocks
         ("mixed", 3, (None, 20, None)),         # global heads Mosaic, local heads Triton
-    ], ids=["bwd-triton", "bwd-mosaic", "bwd-mosaic-mqa", "bwd-mosaic-dq128", "bwd-mixed"])
+    ], ids=["bwd-triton", "bwd-mosaic", "bwd-mosaic-mqa", "bwd-mosaic-q128dq128", "bwd-mixed"])
     def test_gradients_match_reference(self, bwd, Hkv, windows):
         B, T, Hq, D = 1, 200, 3, 64
         q, k, v, do = random_inputs(np.random.default_rng(3), B, T, Hq, Hkv, D, jnp.bfloat16)
@@ -404,7 +413,7 @@ class TestMosaicInterpret:
 
         config = mosaic_config(lowering="mixed", bwd=bwd.split("-")[0])
         if bwd.endswith("dq128"):
-            config = dataclasses.replace(config, mosaic_dq_block_k=128)
+            config = dataclasses.replace(config, mosaic_dq_block_k=128, mosaic_bwd_block_q=128)
 
         def ours(q, k, v):
             out, _ = pallas_gpu_attention(q, k, v, windows, config=config, interpret=True)
@@ -448,6 +457,9 @@ MOSAIC_GPU_CASES = [
     # the Mosaic backward: every head (GQA: per query head, summed), and mixed
     (1, 4096, 4, 4, 64, (None,) * 4, (64, 128, 3, "mosaic", "mosaic")),
     (1, 3000, 8, 2, 128, (None, 50, 512, 1, None, 128, 3000, 7), (64, 128, 2, "mosaic", "mosaic")),
+    # 128-row query blocks in the backward (the default at D <= 64): padded T, GQA
+    (1, 3000, 8, 2, 64, (None, 50, 512, 1, None, 128, 3000, 7),
+     (64, 128, 2, "mosaic", "mosaic", 128)),
     (2, 2048, 8, 8, 128, (None, 128, None, 50, 128, 128, 1, 2048), (64, 128, 2, "mixed", "mixed")),
 ]
 

@@ -210,9 +210,13 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
         # (1 global + 15 local, n=8192: 0.827 vs 0.871 ms and 0.842 vs 0.873 ms f+b, run J)
         short_narrow_mix = (not all_global and head_dim <= 64 and seq_len is not None
                             and seq_len <= SHORT_MIX_TRITON_BWD)
+        # the Hopper backward's query blocks: 128 at D <= 64 (all global f+b 5.21 -> 5.03 ms at
+        # n=8192, 81.6 -> 78.9 ms at n=32768; 1 global + 15 local n=32768 6.79 -> 6.65 ms),
+        # 64 at D=128 (128 spills: 8.25 -> 12.96 ms), H100 run K, docs/kernel-notes.md
         config = dataclasses.replace(config, fwd_lowering=lowering,
                                      bwd_lowering="triton" if short_narrow_mix else lowering,
-                                     mosaic_block_k=128)
+                                     mosaic_block_k=128,
+                                     mosaic_bwd_block_q=128 if head_dim <= 64 else 64)
     return config
 
 

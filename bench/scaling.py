@@ -1,5 +1,6 @@
 """Data-parallel scaling of a training step on 1, 2 and 4 GPUs: tokens/s, speed-up, MFU per GPU,
-and whether the compiled step gathers q, k or v around the attention kernel.
+whether the compiled step gathers q, k or v around the attention kernel, and how many Mosaic
+GPU and Triton kernel calls it makes (JSON only).
 
     python bench/scaling.py --out scaling.json            # GPU host with >= 4 GPUs
     python bench/scaling.py --smoke --out /tmp/s.json     # CPU, tiny shapes (a test runs this)
@@ -158,6 +159,9 @@ def worker(shape_name: str, shape: dict, mesh_kind: str, steps: int, warmup: int
         "qkv_all_gathers": len(gathers), "qkv_all_gather_lines": gathers[:3],
         "all_gathers": hlo.count(" all-gather(") + hlo.count(" all-gather-start("),
         "all_reduces": hlo.count(" all-reduce(") + hlo.count(" all-reduce-start("),
+        # which attention kernels the step runs (Hopper: Mosaic GPU; else Triton)
+        "mosaic_gpu_calls": hlo.count('custom_call_target="mosaic_gpu'),
+        "triton_calls": hlo.count('custom_call_target="__gpu$xla.gpu.triton"'),
     }
 
 

@@ -260,6 +260,7 @@ GPU_CASES = [
     (1, 3000, 8, 2, 128, (None, 50, 512, 1, None, 128, 3000, 7)),
     (2, 1536, 6, 3, 32, (50,) * 6),
     (1, 1024, 4, 4, 64, (None,) * 4),
+    (1, 1024, 2, 2, 128, (None,) * 2),   # D=128 all global: dQ on 128-key blocks
 ]
 
 
@@ -373,11 +374,17 @@ def test_default_lowerings(dtype, D, windows, T, want):
     assert (config.fwd_lowering, config.bwd_lowering) == want
 
 
-@pytest.mark.parametrize("D,want", [(64, 128), (128, 64)])
-def test_default_hopper_backward_query_blocks(D, want):
-    """128-row query blocks in the Hopper backward at D <= 64, 64 at D=128 (run K)."""
+@pytest.mark.parametrize("D,windows,want", [
+    (64, (None,) * 4, (128, 0)),
+    (64, (None, 128, 128, 128), (128, 0)),
+    (128, (None,) * 4, (64, 128)),          # dQ on 128-key blocks: all global at D=128 only
+    (128, (None, 128, 128, 128), (64, 0)),
+])
+def test_default_hopper_backward_blocks(D, windows, want):
+    """The Hopper backward's query blocks and dQ key blocks by default (runs J-K)."""
     from ls_jax.kernels.pallas_gpu import default_config
-    assert default_config(jnp.bfloat16, D, (None,) * 4, 8192).mosaic_bwd_block_q == want
+    config = default_config(jnp.bfloat16, D, windows, 32768)
+    assert (config.mosaic_bwd_block_q, config.mosaic_dq_block_k) == want
 
 
 class TestMosaicInterpret:

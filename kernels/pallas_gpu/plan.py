@@ -212,11 +212,15 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
                             and seq_len <= SHORT_MIX_TRITON_BWD)
         # the Hopper backward's query blocks: 128 at D <= 64 (all global f+b 5.21 -> 5.03 ms at
         # n=8192, 81.6 -> 78.9 ms at n=32768; 1 global + 15 local n=32768 6.79 -> 6.65 ms),
-        # 64 at D=128 (128 spills: 8.25 -> 12.96 ms), H100 run K, docs/kernel-notes.md
+        # 64 at D=128 (128 spills: 8.25 -> 12.96 ms); and at D=128 with every head global,
+        # 128-key blocks in dQ (f+b 1.2-3.4% faster in three runs, e.g. 127.7 -> 125.4 ms at
+        # n=32768; not in mixes, where it measured slower), H100 runs J-K, kernel-notes.md
+        wide_head = head_dim > 64
         config = dataclasses.replace(config, fwd_lowering=lowering,
                                      bwd_lowering="triton" if short_narrow_mix else lowering,
                                      mosaic_block_k=128,
-                                     mosaic_bwd_block_q=128 if head_dim <= 64 else 64)
+                                     mosaic_bwd_block_q=64 if wide_head else 128,
+                                     mosaic_dq_block_k=128 if wide_head and all_global else 0)
     return config
 
 

@@ -339,8 +339,8 @@ def mosaic_config(block_q=64, block_k=64, stages=2, lowering="mosaic", bwd="trit
                   bwd_block_q=64):
     return KernelConfig(fwd_lowering=lowering, bwd_lowering=bwd, mosaic_block_q=block_q,
                         mosaic_block_k=block_k, mosaic_stages=stages,
-                        mosaic_bwd_block_q=bwd_block_q, fwd_block_q=16, fwd_block_k=16, dq_block_q=16,
-                        dq_block_k=16, dkdv_block_q=16, dkdv_block_k=16)
+                        mosaic_bwd_block_q=bwd_block_q, fwd_block_q=16, fwd_block_k=16,
+                        dq_block_q=16, dq_block_k=16, dkdv_block_q=16, dkdv_block_k=16)
 
 
 # (B, T, Hq, Hkv, D, windows, mosaic tiles); bfloat16, as the kernel takes
@@ -410,7 +410,7 @@ class TestMosaicInterpret:
         ("triton", 1, (None, 20, None)),        # the Mosaic forward, the Triton backward
         ("mosaic", 3, (None, 20, 64)),          # every head on the Mosaic backward
         ("mosaic", 1, (None, None, 130)),       # GQA: dK/dV per query head, summed
-        ("mosaic-q128dq128", 3, (None, 7, 100)),    # 128-row query blocks, dQ on 128-key blocks
+        ("mosaic-q128dq128", 3, (None, 7, 100)),  # 128-row query, 128-key dQ blocks
         ("mixed", 3, (None, 20, None)),         # global heads Mosaic, local heads Triton
     ], ids=["bwd-triton", "bwd-mosaic", "bwd-mosaic-mqa", "bwd-mosaic-q128dq128", "bwd-mixed"])
     def test_gradients_match_reference(self, bwd, Hkv, windows):

@@ -62,7 +62,6 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
 
     # key blocks of the whole tile: the union of the two consumers' ranges
     union_first, union_end = tile_union(kv_block_range, tile, block_q, block_k, window, seq_len)
-    num_steps = union_end - union_first
 
     def take_turn():
         plgpu.barrier_arrive(turn)

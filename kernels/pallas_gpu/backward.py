@@ -293,7 +293,7 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
                           .astype(k.dtype) for x in (dk, dv))
             return dq, dk, dv
         if wide and G == H:
-            local = [h for h in range(H) if h not in wide]
+            local = plan.local_heads()
             delta = row_delta(out, do)
             dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
             dkdv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)

@@ -154,7 +154,7 @@ def forward_call(plan: AttentionPlan, q, k, v, segment_ids):
         if wide:  # "mixed": the global heads on the Hopper kernel, the local ones below
             prefilled = tuple(x for x in forward_call_mosaic(plan, q, k, v, heads=wide)
                               if x is not None)
-            heads = [h for h in range(H) if h not in wide]
+            heads = plan.local_heads()
     G = k.shape[2]
     programs = plan.query_plan("fwd")
     c = plan.config

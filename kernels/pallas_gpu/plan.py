@@ -329,6 +329,11 @@ class AttentionPlan:
         return tuple(h for h, w in enumerate(self.window_table())
                      if is_global(w, self.seq_len_padded))
 
+    def local_heads(self) -> tuple[int, ...]:
+        """The other query heads (a window shorter than the length)."""
+        return tuple(h for h, w in enumerate(self.window_table())
+                     if not is_global(w, self.seq_len_padded))
+
     def query_plan(self, kernel: str) -> ProgramPlan:
         """Programs of the forward ("fwd") or dQ ("dq") kernel."""
         narrow, wide = self.config.paths(kernel)

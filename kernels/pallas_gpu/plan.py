@@ -53,6 +53,11 @@ class ClassPaths:
     narrow: TilePath | None = None
 
 
+def _power_of_two(value, minimum: int) -> bool:
+    """True for an int that is a power of two and at least ``minimum``."""
+    return isinstance(value, int) and value >= minimum and not value & (value - 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Tile sizes (powers of two >= 16) and Triton launch parameters of the three kernels.
@@ -120,7 +125,7 @@ class KernelConfig:
             value = getattr(self, name)
             if name.startswith("wide_") and value == 0:
                 continue
-            if not isinstance(value, int) or value < 16 or value & (value - 1):
+            if not _power_of_two(value, 16):
                 raise ValueError(
                     f"config.{name}: expected a power of two >= 16"
                     f"{' (or 0)' if name.startswith('wide_') else ''}, got {value!r}")
@@ -137,10 +142,10 @@ class KernelConfig:
         for name in ("mosaic_block_q", "mosaic_block_k", "mosaic_bwd_block_q",
                      "mosaic_bwd_block_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 64 or value & (value - 1):
+            if not _power_of_two(value, 64):
                 raise ValueError(f"config.{name}: expected a power of two >= 64, got {value!r}")
         value = self.mosaic_dq_block_k
-        if not isinstance(value, int) or (value and (value < 64 or value & (value - 1))):
+        if not (_power_of_two(value, 64) or (isinstance(value, int) and value == 0)):
             raise ValueError(f"config.mosaic_dq_block_k: expected 0 or a power of two >= 64, "
                              f"got {value!r}")
         if not isinstance(self.mosaic_stages, int) or self.mosaic_stages < 2:

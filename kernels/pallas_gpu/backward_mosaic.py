@@ -26,8 +26,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import allowed, kv_block_range, q_block_range
-from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMERS, TILE_TRANSFORMS, band_loops,
-                                                   launch, mma, produce, produce_kv,
+from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMER_REGISTERS, CONSUMERS,
+                                                   PRODUCER_REGISTERS, TILE_TRANSFORMS,
+                                                   band_loops, launch, mma, produce, produce_kv,
                                                    program_ids, ring_slot, selected_heads,
                                                    tile_iota, tile_union)
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, split_kv_loop, split_q_loop
@@ -51,7 +52,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         q_block = 2 * tile + wg
         q_first = q_block * block_q
         rows = pl.ds(q_first, block_q)
@@ -126,7 +127,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         k_block = 2 * tile + wg
         k_first = k_block * block_k
         cols = pl.ds(k_first, block_k)
@@ -183,7 +184,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
     @pl.when(wg == CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
         def load(i, slot):
             rows = pl.ds(i * block_q, block_q)

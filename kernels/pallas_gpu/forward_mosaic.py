@@ -41,10 +41,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import allowed, kv_block_range
-from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMERS, TILE_TRANSFORMS, band_loops,
-                                                   launch, mma, produce_kv, program_ids,
-                                                   ring_slot, selected_heads, tile_iota,
-                                                   tile_union)
+from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMER_REGISTERS, CONSUMERS,
+                                                   TILE_TRANSFORMS, band_loops, launch, mma,
+                                                   produce_kv, program_ids, ring_slot,
+                                                   selected_heads, tile_iota, tile_union)
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR, split_kv_loop
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
@@ -72,7 +72,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
 
     @pl.when(wg < CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
         q_block = 2 * tile + wg
         q_first = q_block * block_q
         q_smem = q_smem2.at[wg]
@@ -164,8 +164,8 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
 
 def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
     """The Mosaic GPU forward on padded inputs: same arguments (no segment ids) and outputs as
-    ``forward.forward_call``. Needs ``mosaic_ring.mosaic_fits`` and Tp a multiple of 2 * block_q and of
-    block_k (``make_plan`` pads so).
+    ``forward.forward_call``. Needs ``mosaic_ring.mosaic_fits`` and Tp a multiple of
+    2 * block_q and of block_k (``make_plan`` pads so).
 
     heads: the query heads to compute (default all); the other heads' rows of the outputs are
     left unwritten, for the Triton forward to fill in (``forward.forward_call``).

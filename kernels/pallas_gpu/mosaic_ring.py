@@ -28,6 +28,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 CONSUMERS = 2
+# registers per thread after ``plgpu.set_max_registers``: the producer gives up what the
+# consumers take; (2 * 232 + 40) * 128 threads = 64512 of the SM's 65536
+CONSUMER_REGISTERS = 232
+PRODUCER_REGISTERS = 40
 
 # the lowering's constraints (why a call may not take this path: ``mosaic_fits``)
 MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -114,7 +118,7 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, loaded, free, *, b, kv_head, block_
                end, stages: int):
     """The producer of the forward and dQ kernels: key and value blocks [first, end) of
     batch ``b``, kv head ``kv_head`` into the ring. loaded, free: (k, v) barrier arrays."""
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
     def load(j, slot):
         cols = (b, pl.ds(j * block_k, block_k), kv_head)

@@ -336,10 +336,11 @@ def test_gpu_float32_matches_reference():
 # The Hopper forward (``forward_mosaic.py``): the Mosaic GPU kernel, with the Triton backward.
 
 def mosaic_config(block_q=64, block_k=64, stages=2, lowering="mosaic", bwd="triton",
-                  bwd_block_q=64):
+                  bwd_block_q=64, consumers=2):
     return KernelConfig(fwd_lowering=lowering, bwd_lowering=bwd, mosaic_block_q=block_q,
                         mosaic_block_k=block_k, mosaic_stages=stages,
-                        mosaic_bwd_block_q=bwd_block_q, fwd_block_q=16, fwd_block_k=16,
+                        mosaic_bwd_block_q=bwd_block_q, mosaic_consumers=consumers,
+                        fwd_block_q=16, fwd_block_k=16,
                         dq_block_q=16, dq_block_k=16, dkdv_block_q=16, dkdv_block_k=16)
 
 
@@ -350,6 +351,8 @@ MOSAIC_CASES = [
     (1, 384, 3, 1, 128, (7, None, 300), (64, 128, 2)),     # D = 128, 128-key blocks, MQA
     # global heads on the Mosaic kernel, local ones on the Triton kernel, one output
     (2, 160, 4, 2, 64, (5, None, 64, None), (64, 64, 2, "mixed")),
+    # three consumers: 4 query blocks, so the last tile's extra consumers redo block 3
+    (1, 256, 2, 1, 64, (None, 50), (64, 64, 2, "mosaic", "triton", 64, 3)),
 ]
 
 
@@ -385,6 +388,28 @@ def test_default_hopper_backward_blocks(D, windows, want):
     from ls_jax.kernels.pallas_gpu import default_config
     config = default_config(jnp.bfloat16, D, windows, 32768)
     assert (config.mosaic_bwd_block_q, config.mosaic_dq_block_k) == want
+
+
+@pytest.mark.parametrize("D,windows,T,want", [
+    (64, (None,) * 16, 8192, 3),              # all global: 16 x 43 tiles of 192 rows
+    (64, (None,) * 4, 1024, 2),               # 4 x 6 tiles: too few programs
+    (64, (None,) + (128,) * 15, 8192, 2),     # one global head, 43 tiles (measured slower)
+    (64, (None,) + (128,) * 15, 16384, 3),    # 86 tiles (measured faster)
+    (128, (None,) * 16, 8192, 2),             # D=128: three consumers would spill
+])
+def test_default_forward_consumers(D, windows, T, want):
+    """The Hopper forward's consumer warpgroups by default (run L)."""
+    from ls_jax.kernels.pallas_gpu import default_config
+    assert default_config(jnp.bfloat16, D, windows, T).mosaic_consumers == want
+
+
+def test_interpreter_falls_back_to_two_consumers_on_few_processors(monkeypatch):
+    """Four warpgroups hung Pallas' GPU interpreter on 2 processors (run L)."""
+    from ls_jax.kernels.pallas_gpu.mosaic_ring import interpreter_fits
+    monkeypatch.setenv("PJRT_NPROC", "2")
+    assert interpreter_fits(2) and not interpreter_fits(3)
+    monkeypatch.setenv("PJRT_NPROC", "8")
+    assert interpreter_fits(3)
 
 
 class TestMosaicInterpret:
@@ -448,6 +473,7 @@ class TestMosaicInterpret:
         for bad, field in [(dict(mosaic_block_q=32), "mosaic_block_q"),
                            (dict(mosaic_stages=1), "mosaic_stages"),
                            (dict(mosaic_dq_block_k=96), "mosaic_dq_block_k"),
+                           (dict(mosaic_consumers=4), "mosaic_consumers"),
                            (dict(fwd_lowering="cuda"), "fwd_lowering")]:
             with pytest.raises(ValueError, match=field):
                 pallas_gpu_attention(q, q, q, (None,), config=dataclasses.replace(
@@ -468,6 +494,10 @@ MOSAIC_GPU_CASES = [
     (1, 3000, 8, 2, 64, (None, 50, 512, 1, None, 128, 3000, 7),
      (64, 128, 2, "mosaic", "mosaic", 128)),
     (2, 2048, 8, 8, 128, (None, 128, None, 50, 128, 128, 1, 2048), (64, 128, 2, "mixed", "mixed")),
+    # three consumers in the forward (64 and 32 query blocks: the last tile is cut short)
+    (1, 4000, 8, 2, 64, (None, 50, 512, 1, None, 128, 4000, 7),
+     (64, 128, 2, "mosaic", "mosaic", 128, 3)),
+    (2, 2048, 4, 4, 64, (None,) * 4, (64, 128, 2, "mosaic", "mosaic", 128, 3)),
 ]
 
 

@@ -4,17 +4,22 @@ The same computation as ``kernels/pallas_gpu/forward.py`` (flash attention over 
 band, base-2 online softmax, optional logit statistics), for the cases where Hopper's
 asynchronous units pay: bfloat16/float16, head size a multiple of 64, no segment ids.
 
-Structure of one program (grid: head x query tile x batch, three warpgroups):
+Structure of one program (grid: head x query tile x batch; ``C + 1`` warpgroups, C the
+config's ``mosaic_consumers``, 2 or 3):
 
-* warpgroup 2 (the *producer*, 40 registers) streams the key/value blocks of the tile's band
-  into a ring of ``stages`` shared-memory slots with TMA, each slot guarded by a "loaded"
-  barrier (TMA transaction count) and a "free" barrier (both consumers arrived);
-* warpgroups 0 and 1 (the *consumers*) each own ``block_q`` query rows of the tile (so a tile
-  is ``2 * block_q`` rows) and run the online softmax with asynchronous ``wgmma``; a shared
-  two-arrival barrier makes them take turns on the tensor cores (one computes QK^T or PV
-  while the other does its softmax).
+* warpgroup C (the *producer*, 40 or 24 registers) streams the key/value blocks of the tile's
+  band into a ring of ``stages`` shared-memory slots with TMA, each slot guarded by a
+  "loaded" barrier (TMA transaction count) and a "free" barrier (every consumer arrived);
+* warpgroups 0 to C - 1 (the *consumers*) each own ``block_q`` query rows of the tile (so a
+  tile is ``C * block_q`` rows) and run the online softmax with asynchronous ``wgmma``.
+  Two consumers (232 registers each) take turns on the tensor cores through a shared
+  two-arrival barrier (one computes QK^T or PV while the other does its softmax); three
+  (160 registers each, the default at D <= 64 when the global heads give enough tiles, as
+  in FlashAttention-3's 192-row tiles) run free: a third warp per scheduler hides more of
+  the softmax's latency (run L, docs/kernel-notes.md). When the query blocks do not fill the
+  last tile, its extra consumers redo the last block and store the same rows.
 
-A local head's band is a few key blocks: the producer loads the union of the two consumers'
+A local head's band is a few key blocks: the producer loads the union of the consumers'
 ranges (``kernels.band.kv_block_range``), and a consumer steps through the blocks outside its
 own range without computing (it still waits on and releases each slot, and keeps its turn in
 the ping-pong) so every barrier stays in phase. Inside its range a consumer runs a masked loop
@@ -27,7 +32,7 @@ max |logit| when asked, so the Triton backward kernels take them unchanged.
 
 Interpret mode (CPU tests) runs this kernel in Pallas' GPU interpreter (threads, barriers and
 TMA simulated), which does not take a register operand in ``wgmma``: there the P.V product is
-a plain dot (``_pv_update``); everything else is the code the GPU runs.
+a plain dot (``mosaic_ring.mma``); everything else is the code the GPU runs.
 """
 
 from __future__ import annotations
@@ -41,15 +46,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import allowed, kv_block_range
-from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMER_REGISTERS, CONSUMERS,
-                                                   TILE_TRANSFORMS, band_loops, launch, mma,
-                                                   produce_kv, program_ids, ring_slot,
-                                                   selected_heads, tile_iota, tile_union)
+from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, TILE_TRANSFORMS, band_loops,
+                                                   interpreter_fits, launch, mma, produce_kv,
+                                                   program_ids, ring_slot, selected_heads,
+                                                   tile_iota, tile_union)
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR, split_kv_loop
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
-            block_q, block_k, stages, num_tiles, seq_len, score_scale, scale, with_stats,
-            interpret):
+            block_q, block_k, stages, num_tiles, consumers, seq_len, score_scale, scale,
+            with_stats, interpret):
     smem, loaded, freed, turn = scoped
     q_smem2, k_smem, v_smem, lse_smem2, stat_smem2 = smem
     k_loaded, v_loaded, q_loaded = loaded
@@ -60,20 +65,51 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
     head_dim = q_ref.shape[-1]
     c = score_scale
 
-    # key blocks of the whole tile: the union of the two consumers' ranges
-    union_first, union_end = tile_union(kv_block_range, tile, block_q, block_k, window, seq_len)
+    # key blocks of the whole tile: the union of the consumers' ranges
+    num_q_blocks = seq_len // block_q
+    union_first, union_end = tile_union(kv_block_range, tile, block_q, block_k, window, seq_len,
+                                        consumers=consumers, num_blocks=num_q_blocks)
+    consumer_registers, producer_registers = REGISTERS[consumers]
+    ping_pong = consumers == 2  # three consumers run free
+
+    def own_block():
+        """This consumer's query block. When the blocks do not fill the last tile, its extra
+        consumers redo the last block (and store the same rows) rather than branch around
+        the ring's barriers."""
+        block = consumers * tile + wg
+        return block if num_q_blocks % consumers == 0 else jnp.minimum(block, num_q_blocks - 1)
 
     def take_turn():
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
+        if ping_pong:
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
 
     def slot_of(j):
         return ring_slot(j, union_first, stages)
 
-    @pl.when(wg < CONSUMERS)
+    def _epilogue(acc_QxD, m_Q, l_Q, min_Q):
+        """Normalise and store a consumer's rows (out, lse2 and the statistics)."""
+        q_first = own_block() * block_q
+        q_smem = q_smem2.at[wg]
+        inv_l_Q = 1.0 / l_Q
+        q_smem[...] = (acc_QxD * lax.broadcast_in_dim(inv_l_Q, acc_QxD.shape, [0])).astype(dtype)
+        lse_smem = lse_smem2.at[wg]
+        lse_smem[...] = m_Q + jnp.log2(l_Q)
+        if with_stats:  # max |logit| = max(max, -min) * scale; m_Q is max * scale * log2(e)
+            stat_smem = stat_smem2.at[wg]
+            stat_smem[...] = jnp.maximum(m_Q * (1.0 / LOG2_E), -min_Q[0] * scale)
+        plgpu.commit_smem()
+        rows = pl.ds(q_first, block_q)
+        plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, rows, h])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
+        if with_stats:
+            plgpu.copy_smem_to_gmem(stat_smem, stat_ref.at[b, h, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg < consumers)
     def _consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        q_block = 2 * tile + wg
+        plgpu.set_max_registers(consumer_registers, action="increase")
+        q_block = own_block()
         q_first = q_block * block_q
         q_smem = q_smem2.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_first, block_q), h], q_smem,
@@ -93,7 +129,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
             carry += (row_vector(-MASKED_SCORE),)
 
         def skip(j, _):
-            """A block of the other consumer's range: release it, keep the turn order."""
+            """A block of another consumer's range: release it, keep the turn order."""
             slot = slot_of(j)
             plgpu.barrier_wait(k_loaded.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
@@ -101,6 +137,16 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
             plgpu.barrier_arrive(v_free.at[slot])
             take_turn()
             take_turn()
+
+        # The statistics' running row minimum of the scores. With three consumers (160
+        # registers) it is taken before the exponentials, while one score tile is live (after
+        # them it spilled and cost 5-8%, run L); with two (232 registers) after them, off the
+        # path from the row maximum to the exponentials (before them it cost 11-15%, run L).
+        early_min = consumers > 2
+
+        def row_min(s_QxK, ok_QxK, min_Q):
+            s_min = s_QxK if ok_QxK is None else jnp.where(ok_QxK, s_QxK, -MASKED_SCORE)
+            return [jnp.minimum(min_Q[0], s_min.min(axis=1))]
 
         def step(j, carry, masked: bool):
             acc_QxD, m_Q, l_Q, *min_Q = carry
@@ -117,6 +163,9 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
             if masked:
                 ok_QxK = allowed(q_first + tile_iota(block_q, block_k, 0),
                                  j * block_k + tile_iota(block_q, block_k, 1), window)
+            if with_stats and early_min:
+                min_Q = row_min(s_QxK, ok_QxK if masked else None, min_Q)
+            if masked:
                 s_QxK = jnp.where(ok_QxK, s_QxK, MASKED_SCORE)
             # scaled running max, floored (see tiles.py: a fully masked row gets p = 0)
             m_new_Q = jnp.maximum(m_Q, jnp.maximum(s_QxK.max(axis=1) * c, MAX_FLOOR))
@@ -124,48 +173,38 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
             p_QxK = jnp.exp2(s_QxK * c - lax.broadcast_in_dim(m_new_Q, s_QxK.shape, [0]))
             acc_QxD = acc_QxD * lax.broadcast_in_dim(alpha_Q, acc_QxD.shape, [0])
             l_Q = l_Q * alpha_Q + p_QxK.sum(axis=1)
-            if with_stats:
-                s_min = jnp.where(ok_QxK, s_QxK, -MASKED_SCORE) if masked else s_QxK
-                min_Q = [jnp.minimum(min_Q[0], s_min.min(axis=1))]
+            if with_stats and not early_min:
+                min_Q = row_min(s_QxK, ok_QxK if masked else None, min_Q)
             p_QxK = p_QxK.astype(dtype)
-            plgpu.barrier_arrive(turn)  # softmax done: the other consumer may compute
+            if ping_pong:
+                plgpu.barrier_arrive(turn)  # softmax done: the other consumer may compute
             plgpu.barrier_wait(v_loaded.at[slot])
-            plgpu.barrier_wait(turn)  # the tensor cores are ours again
+            if ping_pong:
+                plgpu.barrier_wait(turn)  # the tensor cores are ours again
             acc_QxD = mma(acc_QxD, p_QxK, v_smem.at[slot], transpose_b=False,
                           interpret=interpret)
             plgpu.barrier_arrive(v_free.at[slot])
             return (acc_QxD, m_new_Q, l_Q, *min_Q)
 
-        pl.when(wg == 1)(take_turn)  # consumer 1 starts half a step behind
+        if ping_pong:
+            pl.when(wg == 1)(take_turn)  # consumer 1 starts half a step behind
         carry = band_loops(union_first, union_end, ranges, skip, step, carry)
-        pl.when(wg == 0)(take_turn)
+        if ping_pong:
+            pl.when(wg == 0)(take_turn)
 
         acc_QxD, m_Q, l_Q, *min_Q = carry
-        inv_l_Q = 1.0 / l_Q
-        q_smem[...] = (acc_QxD * lax.broadcast_in_dim(inv_l_Q, acc_QxD.shape, [0])).astype(dtype)
-        lse_smem = lse_smem2.at[wg]
-        lse_smem[...] = m_Q + jnp.log2(l_Q)
-        if with_stats:  # max |logit| = max(max, -min) * scale; m_Q is max * scale * log2(e)
-            stat_smem = stat_smem2.at[wg]
-            stat_smem[...] = jnp.maximum(m_Q * (1.0 / LOG2_E), -min_Q[0] * scale)
-        plgpu.commit_smem()
-        rows = pl.ds(q_first, block_q)
-        plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, rows, h])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
-        if with_stats:
-            plgpu.copy_smem_to_gmem(stat_smem, stat_ref.at[b, h, rows])
-        plgpu.wait_smem_to_gmem(0)
+        _epilogue(acc_QxD, m_Q, l_Q, min_Q)
 
-    pl.when(wg == CONSUMERS)(functools.partial(
+    pl.when(wg == consumers)(functools.partial(
         produce_kv, k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded), (k_free, v_free), b=b,
         kv_head=lax.div(h, jnp.int32(group)), block_k=block_k, first=union_first,
-        end=union_end, stages=stages))
+        end=union_end, stages=stages, registers=producer_registers))
 
 
 def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
     """The Mosaic GPU forward on padded inputs: same arguments (no segment ids) and outputs as
     ``forward.forward_call``. Needs ``mosaic_ring.mosaic_fits`` and Tp a multiple of
-    2 * block_q and of block_k (``make_plan`` pads so).
+    block_q and of block_k (``make_plan`` pads so).
 
     heads: the query heads to compute (default all); the other heads' rows of the outputs are
     left unwritten, for the Triton forward to fill in (``forward.forward_call``).
@@ -174,16 +213,19 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
     G = k.shape[2]
     cfg = plan.config
     block_q, block_k, stages = cfg.mosaic_block_q, cfg.mosaic_block_k, cfg.mosaic_stages
-    num_tiles = Tp // (CONSUMERS * block_q)
-    assert num_tiles * CONSUMERS * block_q == Tp and Tp % block_k == 0, (Tp, block_q, block_k)
+    consumers = cfg.mosaic_consumers
+    if plan.interpret and not interpreter_fits(consumers):
+        consumers = 2  # the same results; three would hang the interpreter on this machine
+    num_tiles = pl.cdiv(Tp, consumers * block_q)
+    assert Tp % block_q == 0 and Tp % block_k == 0, (Tp, block_q, block_k)
     with_stats = plan.logit_stats
     interpret = plan.interpret
     heads, windows = selected_heads(plan, H, heads)
 
     def entry(q_ref, k_ref, v_ref, out_ref, lse_ref, *stat):
-        rows = plgpu.SMEM((CONSUMERS, block_q), jnp.float32)
+        rows = plgpu.SMEM((consumers, block_q), jnp.float32)
         scratch = [
-            plgpu.SMEM((CONSUMERS, block_q, Dp), q.dtype, transforms=TILE_TRANSFORMS),
+            plgpu.SMEM((consumers, block_q, Dp), q.dtype, transforms=TILE_TRANSFORMS),
             plgpu.SMEM((stages, block_k, Dp), q.dtype, transforms=TILE_TRANSFORMS),
             plgpu.SMEM((stages, block_k, Dp), q.dtype, transforms=TILE_TRANSFORMS),
             rows,
@@ -192,15 +234,15 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
         body = functools.partial(
             _kernel, q_ref, k_ref, v_ref, out_ref, lse_ref, stat[0] if with_stats else None,
             heads=heads, windows=windows, group=H // G, block_q=block_q, block_k=block_k,
-            stages=stages, num_tiles=num_tiles, seq_len=Tp, score_scale=plan.scale * LOG2_E,
+            stages=stages, num_tiles=num_tiles, consumers=consumers, seq_len=Tp, score_scale=plan.scale * LOG2_E,
             scale=plan.scale, with_stats=with_stats, interpret=interpret)
         pl.run_scoped(
             lambda *scoped: body(scoped),
             scratch,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=CONSUMERS)),
-            (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2,
-            plgpu.Barrier(num_arrivals=CONSUMERS),
+             plgpu.Barrier(num_barriers=consumers)),
+            (plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=2),  # the ping-pong's turn (two consumers)
             collective_axes="wg",
         )
 
@@ -209,5 +251,5 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
     if with_stats:
         out_type.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
     outs = launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
-                  interpret=interpret)(q, k, v)
+                  interpret=interpret, consumers=consumers)(q, k, v)
     return outs[0], outs[1], outs[2] if with_stats else None

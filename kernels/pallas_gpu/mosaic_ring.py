@@ -2,10 +2,11 @@
 the consumers' band loops, and a tensor-core multiply-accumulate that also runs in Pallas' GPU
 interpreter.
 
-Every Mosaic kernel here has the same shape: two *consumer* warpgroups each own one block
-(of query rows in the forward and dQ, of key rows in dK/dV) and a *producer* warpgroup
-streams the other side's blocks (key/value blocks, or query/dO blocks) through a ring of
-``stages`` shared-memory slots. The producer loads the union of the two consumers' ranges; a
+Every Mosaic kernel here has the same shape: two *consumer* warpgroups (three in the forward
+at D <= 64, ``KernelConfig.mosaic_consumers``) each own one block (of query rows in the
+forward and dQ, of key rows in dK/dV) and a *producer* warpgroup streams the other side's
+blocks (key/value blocks, or query/dO blocks) through a ring of ``stages`` shared-memory
+slots. The producer loads the union of the consumers' ranges; a
 consumer steps through the blocks outside its own range without computing (``band_loops``'
 ``skip``), so each slot's barriers see every arrival and wait in order.
 
@@ -19,6 +20,7 @@ completed phase was observed).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +30,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 CONSUMERS = 2
-# registers per thread after ``plgpu.set_max_registers``: the producer gives up what the
-# consumers take; (2 * 232 + 40) * 128 threads = 64512 of the SM's 65536
-CONSUMER_REGISTERS = 232
-PRODUCER_REGISTERS = 40
+# registers per thread after ``plgpu.set_max_registers``, by number of consumers: the producer
+# gives up what the consumers take; (2 * 232 + 40) * 128 threads = 64512 of the SM's 65536,
+# and (3 * 160 + 24) * 128 = 64512 with three consumers (the forward at D <= 64)
+REGISTERS = {2: (232, 40), 3: (160, 24)}
+CONSUMER_REGISTERS, PRODUCER_REGISTERS = REGISTERS[CONSUMERS]
 
 # the lowering's constraints (why a call may not take this path: ``mosaic_fits``)
 MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -66,16 +69,26 @@ def selected_heads(plan, num_heads: int, heads):
     return heads, tuple(plan.window_table()[h] for h in heads)
 
 
-def launch(body, out_type, *, num_heads: int, num_tiles: int, batch: int, interpret: bool):
-    """``plgpu.kernel`` over the grid (head, tile, batch) with the producer and the consumers
-    as warpgroups "wg" (in Pallas' GPU interpreter when ``interpret``)."""
+def interpreter_fits(consumers: int) -> bool:
+    """Whether Pallas' GPU interpreter can run ``consumers + 1`` warpgroups at once here: it
+    runs each as an XLA CPU execution that blocks in host callbacks at barriers, and the CPU
+    client runs one more at once than it counts processors (``PJRT_NPROC``, default the
+    machine's; seen on 2 cores: three warpgroups ran, four hung)."""
+    processors = int(os.environ.get("PJRT_NPROC") or os.cpu_count() or 1)
+    return consumers + 1 <= processors + 1
+
+
+def launch(body, out_type, *, num_heads: int, num_tiles: int, batch: int, interpret: bool,
+           consumers: int = CONSUMERS):
+    """``plgpu.kernel`` over the grid (head, tile, batch) with the ``consumers`` and the
+    producer as warpgroups "wg" (in Pallas' GPU interpreter when ``interpret``)."""
     extra = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         extra["interpret"] = InterpretGPUParams()
     return plgpu.kernel(
         body, out_type=out_type, grid=(num_heads, num_tiles, batch),
-        grid_names=("heads", "tile", "batch"), num_threads=CONSUMERS + 1, thread_name="wg",
+        grid_names=("heads", "tile", "batch"), num_threads=consumers + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), **extra)
 
 
@@ -115,10 +128,10 @@ def produce(first, end, stages: int, load, wait_free):
 
 
 def produce_kv(k_ref, v_ref, k_smem, v_smem, loaded, free, *, b, kv_head, block_k, first,
-               end, stages: int):
+               end, stages: int, registers: int = PRODUCER_REGISTERS):
     """The producer of the forward and dQ kernels: key and value blocks [first, end) of
     batch ``b``, kv head ``kv_head`` into the ring. loaded, free: (k, v) barrier arrays."""
-    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+    plgpu.set_max_registers(registers, action="decrease")
 
     def load(j, slot):
         cols = (b, pl.ds(j * block_k, block_k), kv_head)
@@ -140,12 +153,18 @@ def program_ids(heads: tuple[int, ...], windows: tuple[int, ...]):
             lax.axis_index("wg"))
 
 
-def tile_union(block_range, tile, block_q: int, block_k: int, window, seq_len: int):
-    """[first, end): the streamed blocks the two consumers of ``tile`` (its blocks 2 * tile and
-    2 * tile + 1) need together; ``block_range`` is ``kernels.band.kv_block_range`` or
-    ``q_block_range`` (both ranges grow with the block index)."""
-    first, _ = block_range(2 * tile, block_q, block_k, window, seq_len)
-    _, end = block_range(2 * tile + 1, block_q, block_k, window, seq_len)
+def tile_union(block_range, tile, block_q: int, block_k: int, window, seq_len: int,
+               consumers: int = CONSUMERS, num_blocks: int | None = None):
+    """[first, end): the streamed blocks the consumers of ``tile`` (its blocks
+    ``consumers * tile`` to ``consumers * tile + consumers - 1``, the last tile cut at
+    ``num_blocks`` owned blocks when given) need together; ``block_range`` is
+    ``kernels.band.kv_block_range`` or ``q_block_range`` (both ranges grow with the block
+    index)."""
+    first, _ = block_range(consumers * tile, block_q, block_k, window, seq_len)
+    last = consumers * tile + consumers - 1
+    if num_blocks is not None:
+        last = jnp.minimum(last, num_blocks - 1)
+    _, end = block_range(last, block_q, block_k, window, seq_len)
     return first, end
 
 

@@ -26,6 +26,10 @@ LOOP_MODES = ("split", "cond", "masked")
 LOWERINGS = ("triton", "mosaic", "mixed")
 # LS mixes with D <= 64 up to this length keep the Triton backward (``default_config``)
 SHORT_MIX_TRITON_BWD = 8192
+# the Hopper forward's three-consumer tiles (192 query rows) pay from this many tiles of global
+# heads per batch element (H100 run L, B=4: 43 tiles 13% slower; 86, 171, 172, 176 and 688
+# tiles 3-11% faster; 352 tiles 3% slower in one sample)
+THREE_CONSUMER_MIN_TILES = 64
 
 _BLOCK_FIELDS = ("fwd_block_q", "fwd_block_k", "dq_block_q", "dq_block_k", "dkdv_block_q",
                  "dkdv_block_k")
@@ -72,8 +76,10 @@ class KernelConfig:
     fwd_lowering: "triton" (``forward.py``), "mosaic" (``forward_mosaic.py``, the Hopper
     forward) or "mixed" (the Hopper forward for the global heads, Triton for the local ones);
     where ``mosaic_ring.mosaic_fits`` says no, the Triton forward runs every head;
-    mosaic_block_q: query rows per consumer warpgroup (a tile is twice that), mosaic_block_k:
-    keys per block, mosaic_stages: key/value blocks in flight (multiples of 64; stages >= 2).
+    mosaic_block_q: query rows per consumer warpgroup (a tile is ``mosaic_consumers`` times
+    that), mosaic_block_k: keys per block, mosaic_stages: key/value blocks in flight
+    (multiples of 64; stages >= 2); mosaic_consumers: the forward's consumer warpgroups, 2
+    (taking turns on the tensor cores) or 3 (running free, 160 registers each).
     bwd_lowering: the same choice for the backward ("mixed" needs one kv head per query head,
     else the Triton kernels run every head): ``backward_mosaic.py`` with blocks
     mosaic_bwd_block_q x mosaic_bwd_block_k (a consumer owns one block of its side);
@@ -106,6 +112,7 @@ class KernelConfig:
     mosaic_block_q: int = 64
     mosaic_block_k: int = 64
     mosaic_stages: int = 2
+    mosaic_consumers: int = 2
     mosaic_bwd_block_q: int = 64
     mosaic_bwd_block_k: int = 64
     mosaic_dq_block_k: int = 0
@@ -113,7 +120,7 @@ class KernelConfig:
     def blocks(self) -> tuple[int, ...]:
         blocks = tuple(getattr(self, name) for name in _BLOCK_FIELDS + _WIDE_BLOCK_FIELDS
                        if getattr(self, name))
-        if self.fwd_lowering != "triton":  # a Mosaic tile is two consumers' rows
+        if self.fwd_lowering != "triton":  # (three consumers take a ragged last tile)
             blocks += (2 * self.mosaic_block_q, self.mosaic_block_k)
         if self.bwd_lowering != "triton":
             blocks += (2 * self.mosaic_bwd_block_q, 2 * self.mosaic_bwd_block_k)
@@ -148,6 +155,9 @@ class KernelConfig:
         if not (_power_of_two(value, 64) or (isinstance(value, int) and value == 0)):
             raise ValueError(f"config.mosaic_dq_block_k: expected 0 or a power of two >= 64, "
                              f"got {value!r}")
+        if self.mosaic_consumers not in (2, 3) or isinstance(self.mosaic_consumers, bool):
+            raise ValueError(f"config.mosaic_consumers: expected 2 or 3, got "
+                             f"{self.mosaic_consumers!r}")
         if not isinstance(self.mosaic_stages, int) or self.mosaic_stages < 2:
             raise ValueError(f"config.mosaic_stages: expected an int >= 2, got "
                              f"{self.mosaic_stages!r}")
@@ -221,7 +231,14 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
         # 128-key blocks in dQ (f+b 1.2-3.4% faster in three runs, e.g. 127.7 -> 125.4 ms at
         # n=32768; not in mixes, where it measured slower), H100 runs J-K, kernel-notes.md
         wide_head = head_dim > 64
-        config = dataclasses.replace(config, fwd_lowering=lowering,
+        # three forward consumers (192-row tiles) at D <= 64 when the global heads fill
+        # enough of them (per batch element): all global n=8192 1.330 -> 1.215 ms, n=32768
+        # 19.65 -> 17.53 ms; 1 global + 15 local 1.693 -> 1.583 ms at n=32768 (171 tiles),
+        # 0.562 -> 0.545 at n=16384 (86 tiles), but 0.214 -> 0.242 ms at n=8192 (43 tiles:
+        # too few programs for the GPU), H100 run L, kernel-notes.md
+        global_tiles = sum(global_flags) * (cdiv(seq_len, 3 * 64) if seq_len else 0)
+        consumers = 3 if not wide_head and global_tiles >= THREE_CONSUMER_MIN_TILES else 2
+        config = dataclasses.replace(config, fwd_lowering=lowering, mosaic_consumers=consumers,
                                      bwd_lowering="triton" if short_narrow_mix else lowering,
                                      mosaic_block_k=128,
                                      mosaic_bwd_block_q=64 if wide_head else 128,

@@ -21,9 +21,9 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Pallas' GPU interpreter runs each warpgroup of a Mosaic kernel as its own XLA CPU execution,
-# blocked inside host callbacks while it waits on a barrier; the CPU client runs about as
-# many at once as it counts processors (PJRT_NPROC, default the machine's). On a 2-core
-# machine a four-warpgroup kernel (the three-consumer forward) then hung; more slots fix it.
+# blocked inside host callbacks while it waits on a barrier; the CPU client runs one more at
+# once than it counts processors (PJRT_NPROC, default the machine's). On a 2-core machine a
+# four-warpgroup kernel (the three-consumer forward) then hung; more slots fix it.
 os.environ.setdefault("PJRT_NPROC", "8")
 
 import jax  # noqa: E402

@@ -72,13 +72,6 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
     consumer_registers, producer_registers = REGISTERS[consumers]
     ping_pong = consumers == 2  # three consumers run free
 
-    def own_block():
-        """This consumer's query block. When the blocks do not fill the last tile, its extra
-        consumers redo the last block (and store the same rows) rather than branch around
-        the ring's barriers."""
-        block = consumers * tile + wg
-        return block if num_q_blocks % consumers == 0 else jnp.minimum(block, num_q_blocks - 1)
-
     def take_turn():
         if ping_pong:
             plgpu.barrier_arrive(turn)
@@ -87,29 +80,13 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
     def slot_of(j):
         return ring_slot(j, union_first, stages)
 
-    def _epilogue(acc_QxD, m_Q, l_Q, min_Q):
-        """Normalise and store a consumer's rows (out, lse2 and the statistics)."""
-        q_first = own_block() * block_q
-        q_smem = q_smem2.at[wg]
-        inv_l_Q = 1.0 / l_Q
-        q_smem[...] = (acc_QxD * lax.broadcast_in_dim(inv_l_Q, acc_QxD.shape, [0])).astype(dtype)
-        lse_smem = lse_smem2.at[wg]
-        lse_smem[...] = m_Q + jnp.log2(l_Q)
-        if with_stats:  # max |logit| = max(max, -min) * scale; m_Q is max * scale * log2(e)
-            stat_smem = stat_smem2.at[wg]
-            stat_smem[...] = jnp.maximum(m_Q * (1.0 / LOG2_E), -min_Q[0] * scale)
-        plgpu.commit_smem()
-        rows = pl.ds(q_first, block_q)
-        plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, rows, h])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
-        if with_stats:
-            plgpu.copy_smem_to_gmem(stat_smem, stat_ref.at[b, h, rows])
-        plgpu.wait_smem_to_gmem(0)
-
     @pl.when(wg < consumers)
     def _consumer():
         plgpu.set_max_registers(consumer_registers, action="increase")
-        q_block = own_block()
+        q_block = consumers * tile + wg
+        if num_q_blocks % consumers:  # a short last tile: its extra consumers redo the last
+            # block (and store the same rows) rather than branch around the ring's barriers
+            q_block = jnp.minimum(q_block, num_q_blocks - 1)
         q_first = q_block * block_q
         q_smem = q_smem2.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_first, block_q), h], q_smem,
@@ -193,7 +170,20 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
             pl.when(wg == 0)(take_turn)
 
         acc_QxD, m_Q, l_Q, *min_Q = carry
-        _epilogue(acc_QxD, m_Q, l_Q, min_Q)
+        inv_l_Q = 1.0 / l_Q
+        q_smem[...] = (acc_QxD * lax.broadcast_in_dim(inv_l_Q, acc_QxD.shape, [0])).astype(dtype)
+        lse_smem = lse_smem2.at[wg]
+        lse_smem[...] = m_Q + jnp.log2(l_Q)
+        if with_stats:  # max |logit| = max(max, -min) * scale; m_Q is max * scale * log2(e)
+            stat_smem = stat_smem2.at[wg]
+            stat_smem[...] = jnp.maximum(m_Q * (1.0 / LOG2_E), -min_Q[0] * scale)
+        plgpu.commit_smem()
+        rows = pl.ds(q_first, block_q)
+        plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, rows, h])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
+        if with_stats:
+            plgpu.copy_smem_to_gmem(stat_smem, stat_ref.at[b, h, rows])
+        plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg == consumers)(functools.partial(
         produce_kv, k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded), (k_free, v_free), b=b,
@@ -213,13 +203,13 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
     G = k.shape[2]
     cfg = plan.config
     block_q, block_k, stages = cfg.mosaic_block_q, cfg.mosaic_block_k, cfg.mosaic_stages
+    with_stats = plan.logit_stats
+    interpret = plan.interpret
     consumers = cfg.mosaic_consumers
-    if plan.interpret and not interpreter_fits(consumers):
+    if interpret and not interpreter_fits(consumers):
         consumers = 2  # the same results; three would hang the interpreter on this machine
     num_tiles = pl.cdiv(Tp, consumers * block_q)
     assert Tp % block_q == 0 and Tp % block_k == 0, (Tp, block_q, block_k)
-    with_stats = plan.logit_stats
-    interpret = plan.interpret
     heads, windows = selected_heads(plan, H, heads)
 
     def entry(q_ref, k_ref, v_ref, out_ref, lse_ref, *stat):
@@ -234,8 +224,8 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
         body = functools.partial(
             _kernel, q_ref, k_ref, v_ref, out_ref, lse_ref, stat[0] if with_stats else None,
             heads=heads, windows=windows, group=H // G, block_q=block_q, block_k=block_k,
-            stages=stages, num_tiles=num_tiles, consumers=consumers, seq_len=Tp, score_scale=plan.scale * LOG2_E,
-            scale=plan.scale, with_stats=with_stats, interpret=interpret)
+            stages=stages, num_tiles=num_tiles, consumers=consumers, seq_len=Tp,
+            score_scale=plan.scale * LOG2_E, scale=plan.scale, with_stats=with_stats, interpret=interpret)
         pl.run_scoped(
             lambda *scoped: body(scoped),
             scratch,

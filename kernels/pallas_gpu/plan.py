@@ -155,7 +155,7 @@ class KernelConfig:
         if not (_power_of_two(value, 64) or (isinstance(value, int) and value == 0)):
             raise ValueError(f"config.mosaic_dq_block_k: expected 0 or a power of two >= 64, "
                              f"got {value!r}")
-        if self.mosaic_consumers not in (2, 3) or isinstance(self.mosaic_consumers, bool):
+        if self.mosaic_consumers not in (2, 3):
             raise ValueError(f"config.mosaic_consumers: expected 2 or 3, got "
                              f"{self.mosaic_consumers!r}")
         if not isinstance(self.mosaic_stages, int) or self.mosaic_stages < 2:
@@ -236,7 +236,8 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
         # 19.65 -> 17.53 ms; 1 global + 15 local 1.693 -> 1.583 ms at n=32768 (171 tiles),
         # 0.562 -> 0.545 at n=16384 (86 tiles), but 0.214 -> 0.242 ms at n=8192 (43 tiles:
         # too few programs for the GPU), H100 run L, kernel-notes.md
-        global_tiles = sum(global_flags) * (cdiv(seq_len, 3 * 64) if seq_len else 0)
+        global_tiles = sum(global_flags) * (cdiv(seq_len, 3 * config.mosaic_block_q)
+                                            if seq_len else 0)
         consumers = 3 if not wide_head and global_tiles >= THREE_CONSUMER_MIN_TILES else 2
         config = dataclasses.replace(config, fwd_lowering=lowering, mosaic_consumers=consumers,
                                      bwd_lowering="triton" if short_narrow_mix else lowering,

@@ -480,6 +480,35 @@ class TestMosaicInterpret:
                     mosaic_config(), **bad), interpret=True)
 
 
+@pytest.mark.parametrize("D,windows,config", [
+    (64, (None, 1, 128, None), dict(mosaic_bwd_block_q=128)),   # masks, 128-row bwd blocks
+    (64, (None,) * 2, dict(mosaic_consumers=3, mosaic_bwd_block_q=128)),  # constant window
+    (128, (None, 50), dict(mosaic_block_k=128, mosaic_dq_block_k=128)),
+], ids=["d64-mixed", "d64-global-3consumers", "d128"])
+def test_mosaic_kernels_lower_for_the_gpu_on_cpu(D, windows, config):
+    """The GPU code paths that interpret mode does not run (register-operand and overlapped
+    wgmma in the backward, ``mosaic_ring.mma`` on the GPU) lowered to Mosaic GPU's module on
+    the CPU: a kernel that would not compile for an H100 fails here, without one."""
+    from ls_jax.kernels.pallas_gpu.backward_mosaic import dkdv_call_mosaic, dq_call_mosaic
+    from ls_jax.kernels.pallas_gpu.forward_mosaic import forward_call_mosaic
+    from ls_jax.kernels.pallas_gpu.plan import make_plan
+
+    T, H = 512, len(windows)
+    plan = make_plan(seq_len=T, head_dim=D, windows=windows, num_kv_heads=H,
+                     dtype=jnp.bfloat16, scale=D ** -0.5,
+                     config=dataclasses.replace(mosaic_config(lowering="mosaic", bwd="mosaic"),
+                                                **config),
+                     logit_stats=True, interpret=False)
+    x = jax.ShapeDtypeStruct((1, plan.seq_len_padded, H, D), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((1, H, plan.seq_len_padded), jnp.float32)
+    for kernel, args in [(forward_call_mosaic, (x, x, x)),
+                         (dq_call_mosaic, (x, x, x, x, rows, rows)),
+                         (dkdv_call_mosaic, (x, x, x, x, rows, rows))]:
+        lowered = jax.jit(lambda *a, kernel=kernel: kernel(plan, *a)).trace(*args).lower(
+            lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text(), kernel.__name__
+
+
 MOSAIC_GPU_CASES = [
     # (B, T, Hq, Hkv, D, windows, mosaic tiles)
     (2, 2048, 8, 8, 64, (None,) + (128,) * 7, (64, 64, 2)),

@@ -11,6 +11,14 @@ warpgroup streams the other side's blocks of the band through a TMA ring.
   and walks the query blocks whose band reaches them, streamed as Q, dO, lse2 and delta. It
   writes dK and dV *per query head* ([B, T, H, D]); the caller sums each GQA group.
 
+Inside a step the products overlap the element-wise work (run M, docs/kernel-notes.md): dQ
+issues S = Q K^T and dP = dO V^T together and computes the probabilities while dP runs; dK/dV
+issues S^T and dP^T together, then dV (the probabilities as its register operand) before it
+reads dP^T, so the exponentials run under dP^T and dS^T under dV, and dK last. Pallas' GPU
+interpreter takes neither a register operand in ``wgmma`` nor ``pl.run_state`` on an
+accumulator, so in interpret mode (CPU tests) the same math runs one product at a time
+(``mosaic_ring.mma``); ``tests/test_pallas_gpu.py`` also lowers the GPU path on the CPU.
+
 ``delta = rowsum(O * dO)`` comes from the caller (one XLA pass). ``heads`` restricts a call
 to some query heads (the others' rows are left unwritten, for the Triton kernels to fill).
 """
@@ -76,22 +84,48 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_arrive(v_free.at[slot])
 
+        def probabilities(s_QxK, ok_QxK):
+            if ok_QxK is not None:
+                s_QxK = jnp.where(ok_QxK, s_QxK, MASKED_SCORE)
+            return jnp.exp2(s_QxK * score_scale - lax.broadcast_in_dim(lse_Q, s_QxK.shape, [0]))
+
+        def score_grads(p_QxK, dp_QxK):
+            ds_QxK = p_QxK * (dp_QxK - lax.broadcast_in_dim(delta_Q, dp_QxK.shape, [0]))
+            return ds_QxK.astype(dtype)
+
         def step(j, dq_QxD, masked: bool):
             slot = slot_of(j)
+            k_block, v_block = k_smem.at[slot], v_smem.at[slot]
             plgpu.barrier_wait(k_loaded.at[slot])
-            s_QxK = mma(None, q_smem, k_smem.at[slot], transpose_b=True, interpret=interpret)
-            if masked:
-                ok_QxK = allowed(q_first + tile_iota(block_q, block_k, 0),
-                                 j * block_k + tile_iota(block_q, block_k, 1), window)
-                s_QxK = jnp.where(ok_QxK, s_QxK, MASKED_SCORE)
-            p_QxK = jnp.exp2(s_QxK * score_scale
-                             - lax.broadcast_in_dim(lse_Q, s_QxK.shape, [0]))
-            plgpu.barrier_wait(v_loaded.at[slot])
-            dp_QxK = mma(None, do_smem, v_smem.at[slot], transpose_b=True, interpret=interpret)
-            plgpu.barrier_arrive(v_free.at[slot])
-            ds_QxK = p_QxK * (dp_QxK - lax.broadcast_in_dim(delta_Q, dp_QxK.shape, [0]))
-            dq_QxD = mma(dq_QxD, ds_QxK.astype(dtype), k_smem.at[slot], transpose_b=False,
-                         interpret=interpret)
+            # (the masks are made outside the accumulators' scopes, where a constant window
+            # would be captured and does not lower)
+            ok_QxK = allowed(q_first + tile_iota(block_q, block_k, 0),
+                             j * block_k + tile_iota(block_q, block_k, 1),
+                             window) if masked else None
+            if interpret:  # one product at a time (see ``mosaic_ring.mma``)
+                p_QxK = probabilities(mma(None, q_smem, k_block, transpose_b=True,
+                                          interpret=True), ok_QxK)
+                plgpu.barrier_wait(v_loaded.at[slot])
+                dp_QxK = mma(None, do_smem, v_block, transpose_b=True, interpret=True)
+                plgpu.barrier_arrive(v_free.at[slot])
+                dq_QxD = mma(dq_QxD, score_grads(p_QxK, dp_QxK), k_block, transpose_b=False,
+                             interpret=True)
+            else:  # S and dP issued together: the exponentials run under dP's wgmma
+                def accumulate(dq_ref):
+                    def products(s_ref, dp_ref):
+                        plgpu.wgmma(s_ref, q_smem, k_block.transpose((1, 0)))
+                        plgpu.barrier_wait(v_loaded.at[slot])
+                        plgpu.wgmma(dp_ref, do_smem, v_block.transpose((1, 0)))
+                        p_QxK = probabilities(plgpu.wgmma_accumulator_load(s_ref, wait_n=1),
+                                              ok_QxK)
+                        dp_QxK = plgpu.wgmma_accumulator_load(dp_ref, wait_n=0)
+                        plgpu.barrier_arrive(v_free.at[slot])
+                        plgpu.wgmma(dq_ref, score_grads(p_QxK, dp_QxK), k_block)
+
+                    scores = plgpu.ACC((block_q, block_k), jnp.float32)
+                    pl.run_scoped(products, scores, scores)
+
+                dq_QxD = pl.run_state(accumulate)(plgpu.ACC.init(dq_QxD))
             plgpu.barrier_arrive(k_free.at[slot])
             return dq_QxD
 
@@ -147,30 +181,58 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                 plgpu.barrier_wait(barrier.at[slot])
             plgpu.barrier_arrive(free.at[slot])
 
-        def step(i, grads, masked: bool):
-            dk_KxD, dv_KxD = grads
-            slot = slot_of(i)
-            plgpu.barrier_wait(q_loaded.at[slot])
-            sT_KxQ = mma(None, k_smem, q_smem.at[slot], transpose_b=True, interpret=interpret)
-            if masked:
-                ok_KxQ = allowed(i * block_q + tile_iota(block_k, block_q, 1),
-                                 k_first + tile_iota(block_k, block_q, 0), window)
+        def probabilities(sT_KxQ, ok_KxQ, slot):
+            if ok_KxQ is not None:
                 sT_KxQ = jnp.where(ok_KxQ, sT_KxQ, MASKED_SCORE)
             plgpu.barrier_wait(lse_loaded.at[slot])
             lse_Q = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            pT_KxQ = jnp.exp2(sT_KxQ * score_scale
-                              - lax.broadcast_in_dim(lse_Q, sT_KxQ.shape, [1]))
-            plgpu.barrier_wait(do_loaded.at[slot])
-            dv_KxD = mma(dv_KxD, pT_KxQ.astype(dtype), do_smem.at[slot], transpose_b=False,
-                         interpret=interpret)
-            dpT_KxQ = mma(None, v_smem, do_smem.at[slot], transpose_b=True, interpret=interpret)
+            return jnp.exp2(sT_KxQ * score_scale
+                            - lax.broadcast_in_dim(lse_Q, sT_KxQ.shape, [1]))
+
+        def score_grads(pT_KxQ, dpT_KxQ, slot):
             plgpu.barrier_wait(delta_loaded.at[slot])
             delta_Q = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
             dsT_KxQ = pT_KxQ * (dpT_KxQ - lax.broadcast_in_dim(delta_Q, dpT_KxQ.shape, [1]))
-            dk_KxD = mma(dk_KxD, dsT_KxQ.astype(dtype), q_smem.at[slot], transpose_b=False,
-                         interpret=interpret)
+            return dsT_KxQ.astype(dtype)
+
+        def step(i, grads, masked: bool):
+            slot = slot_of(i)
+            q_block, do_block = q_smem.at[slot], do_smem.at[slot]
+            plgpu.barrier_wait(q_loaded.at[slot])
+            ok_KxQ = allowed(i * block_q + tile_iota(block_k, block_q, 1),
+                             k_first + tile_iota(block_k, block_q, 0),
+                             window) if masked else None
+            plgpu.barrier_wait(do_loaded.at[slot])
+            if interpret:  # one product at a time (see ``mosaic_ring.mma``)
+                dk_KxD, dv_KxD = grads
+                pT_KxQ = probabilities(mma(None, k_smem, q_block, transpose_b=True,
+                                           interpret=True), ok_KxQ, slot)
+                dv_KxD = mma(dv_KxD, pT_KxQ.astype(dtype), do_block, transpose_b=False,
+                             interpret=True)
+                dpT_KxQ = mma(None, v_smem, do_block, transpose_b=True, interpret=True)
+                dk_KxD = mma(dk_KxD, score_grads(pT_KxQ, dpT_KxQ, slot), q_block,
+                             transpose_b=False, interpret=True)
+                grads = dk_KxD, dv_KxD
+            else:  # S^T and dP^T issued together, dV before dP^T is read, dK last: the
+                # exponentials run under dP^T's wgmma and dS^T under dV's
+                def accumulate(refs):
+                    dk_ref, dv_ref = refs
+
+                    def products(sT_ref, dpT_ref):
+                        plgpu.wgmma(sT_ref, k_smem, q_block.transpose((1, 0)))
+                        plgpu.wgmma(dpT_ref, v_smem, do_block.transpose((1, 0)))
+                        pT_KxQ = probabilities(plgpu.wgmma_accumulator_load(sT_ref, wait_n=1),
+                                               ok_KxQ, slot)
+                        plgpu.wgmma(dv_ref, pT_KxQ.astype(dtype), do_block)
+                        dpT_KxQ = plgpu.wgmma_accumulator_load(dpT_ref, wait_n=1)
+                        plgpu.wgmma(dk_ref, score_grads(pT_KxQ, dpT_KxQ, slot), q_block)
+
+                    scores = plgpu.ACC((block_k, block_q), jnp.float32)
+                    pl.run_scoped(products, scores, scores)
+
+                grads = pl.run_state(accumulate)(tuple(map(plgpu.ACC.init, grads)))
             plgpu.barrier_arrive(free.at[slot])
-            return dk_KxD, dv_KxD
+            return grads
 
         zeros = plgpu.layout_cast(jnp.zeros((block_k, head_dim), jnp.float32),
                                   plgpu.Layout.WGMMA)

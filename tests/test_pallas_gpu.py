@@ -437,7 +437,11 @@ class TestMosaicInterpret:
         ("mosaic", 1, (None, None, 130)),       # GQA: dK/dV per query head, summed
         ("mosaic-q128dq128", 3, (None, 7, 100)),  # 128-row query, 128-key dQ blocks
         ("mixed", 3, (None, 20, None)),         # global heads Mosaic, local heads Triton
-    ], ids=["bwd-triton", "bwd-mosaic", "bwd-mosaic-mqa", "bwd-mosaic-q128dq128", "bwd-mixed"])
+        # the same with every head's delta from one XLA pass (by default the Triton dQ
+        # kernel computes the local heads' delta and the pass only the global heads')
+        ("mixed-xladelta", 3, (20, None, 5)),
+    ], ids=["bwd-triton", "bwd-mosaic", "bwd-mosaic-mqa", "bwd-mosaic-q128dq128", "bwd-mixed",
+            "bwd-mixed-xladelta"])
     def test_gradients_match_reference(self, bwd, Hkv, windows):
         B, T, Hq, D = 1, 200, 3, 64
         q, k, v, do = random_inputs(np.random.default_rng(3), B, T, Hq, Hkv, D, jnp.bfloat16)
@@ -446,6 +450,8 @@ class TestMosaicInterpret:
         config = mosaic_config(lowering="mixed", bwd=bwd.split("-")[0])
         if bwd.endswith("dq128"):
             config = dataclasses.replace(config, mosaic_dq_block_k=128, mosaic_bwd_block_q=128)
+        if bwd.endswith("xladelta"):
+            config = dataclasses.replace(config, delta_in_kernel=False)
 
         def ours(q, k, v):
             out, _ = pallas_gpu_attention(q, k, v, windows, config=config, interpret=True)
@@ -478,6 +484,19 @@ class TestMosaicInterpret:
             with pytest.raises(ValueError, match=field):
                 pallas_gpu_attention(q, q, q, (None,), config=dataclasses.replace(
                     mosaic_config(), **bad), interpret=True)
+
+
+def test_row_delta_of_some_heads():
+    from ls_jax.kernels.pallas_gpu.backward import row_delta
+
+    rng = np.random.default_rng(7)
+    out, do = (rng.standard_normal((2, 5, 4, 8)).astype(np.float32) for _ in range(2))
+    want = np.zeros((2, 4, 5), np.float32)
+    for h in (0, 2):
+        want[:, h] = (out[:, :, h] * do[:, :, h]).sum(-1)
+    np.testing.assert_allclose(row_delta(out, do, heads=(0, 2)), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(row_delta(out, do)[:, 1], (out[:, :, 1] * do[:, :, 1]).sum(-1),
+                               rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("D,windows,config", [

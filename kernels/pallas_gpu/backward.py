@@ -238,9 +238,18 @@ def dq_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2, *, delta=N
     return call(dq_shape, lse2, delta), delta
 
 
-def row_delta(out, do):
-    """float32 [B, H, Tp]: ``delta = rowsum(O * dO)`` (one XLA reduction)."""
-    return jnp.einsum("bthd,bthd->bht", out.astype(jnp.float32), do.astype(jnp.float32))
+def row_delta(out, do, heads: tuple[int, ...] | None = None):
+    """float32 [B, H, Tp]: ``delta = rowsum(O * dO)`` (one XLA reduction); with ``heads``, only
+    those heads' rows (the others zero), reading only their O and dO."""
+    def rowsum(o, d):
+        return jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), d.astype(jnp.float32))
+
+    if heads is None:
+        return rowsum(out, do)
+    B, Tp, H, _ = out.shape
+    index = jnp.asarray(heads, jnp.int32)
+    part = rowsum(jnp.take(out, index, axis=2), jnp.take(do, index, axis=2))
+    return jnp.zeros((B, H, Tp), jnp.float32).at[:, index].set(part)
 
 
 def dkdv_call(plan: AttentionPlan, q, k, v, segment_ids, do, lse2, delta, *, prefilled=None,
@@ -294,11 +303,14 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
             return dq, dk, dv
         if wide and G == H:
             local = plan.local_heads()
-            delta = row_delta(out, do)
+            # with delta_in_kernel, one XLA pass computes only the global heads' delta and
+            # the Triton dQ kernel the local heads' (from its O and dO tiles)
+            in_kernel = plan.config.delta_in_kernel
+            delta = row_delta(out, do, heads=wide if in_kernel else None)
             dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
             dkdv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
-            dq, _ = dq_call(plan, q, k, v, segment_ids, do, out, lse2, delta=delta,
-                            prefilled=dq, heads=local)
+            dq, delta = dq_call(plan, q, k, v, segment_ids, do, out, lse2,
+                                delta=None if in_kernel else delta, prefilled=dq, heads=local)
             dk, dv = dkdv_call(plan, q, k, v, segment_ids, do, lse2, delta, prefilled=dkdv,
                                kv_heads=local)
             return dq, dk, dv

@@ -61,7 +61,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        q_block = 2 * tile + wg
+        q_block = CONSUMERS * tile + wg
         q_first = q_block * block_q
         rows = pl.ds(q_first, block_q)
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
@@ -162,7 +162,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     @pl.when(wg < CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        k_block = 2 * tile + wg
+        k_block = CONSUMERS * tile + wg
         k_first = k_block * block_k
         cols = pl.ds(k_first, block_k)
         kv_head = lax.div(h, jnp.int32(group))

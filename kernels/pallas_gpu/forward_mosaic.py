@@ -225,7 +225,8 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
             _kernel, q_ref, k_ref, v_ref, out_ref, lse_ref, stat[0] if with_stats else None,
             heads=heads, windows=windows, group=H // G, block_q=block_q, block_k=block_k,
             stages=stages, num_tiles=num_tiles, consumers=consumers, seq_len=Tp,
-            score_scale=plan.scale * LOG2_E, scale=plan.scale, with_stats=with_stats, interpret=interpret)
+            score_scale=plan.scale * LOG2_E, scale=plan.scale, with_stats=with_stats,
+            interpret=interpret)
         pl.run_scoped(
             lambda *scoped: body(scoped),
             scratch,

@@ -75,7 +75,7 @@ def interpreter_fits(consumers: int) -> bool:
     client runs one more at once than it counts processors (``PJRT_NPROC``, default the
     machine's; seen on 2 cores: three warpgroups ran, four hung)."""
     processors = int(os.environ.get("PJRT_NPROC") or os.cpu_count() or 1)
-    return consumers + 1 <= processors + 1  # warpgroups <= executions at once
+    return consumers <= processors  # consumers + producer <= processors + 1 at once
 
 
 def launch(body, out_type, *, num_heads: int, num_tiles: int, batch: int, interpret: bool,

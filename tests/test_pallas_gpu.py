@@ -336,11 +336,10 @@ def test_gpu_float32_matches_reference():
 # The Hopper forward (``forward_mosaic.py``): the Mosaic GPU kernel, with the Triton backward.
 
 def mosaic_config(block_q=64, block_k=64, stages=2, lowering="mosaic", bwd="triton",
-                  bwd_block_q=64, consumers=2, programs=0):
+                  bwd_block_q=64, consumers=2):
     return KernelConfig(fwd_lowering=lowering, bwd_lowering=bwd, mosaic_block_q=block_q,
                         mosaic_block_k=block_k, mosaic_stages=stages,
                         mosaic_bwd_block_q=bwd_block_q, mosaic_consumers=consumers,
-                        mosaic_programs=programs,
                         fwd_block_q=16, fwd_block_k=16,
                         dq_block_q=16, dq_block_k=16, dkdv_block_q=16, dkdv_block_k=16)
 
@@ -354,13 +353,6 @@ MOSAIC_CASES = [
     (2, 160, 4, 2, 64, (5, None, 64, None), (64, 64, 2, "mixed")),
     # three consumers: 4 query blocks, so the last tile's extra consumers redo block 3
     (1, 256, 2, 1, 64, (None, 50), (64, 64, 2, "mosaic", "triton", 64, 3)),
-    # persistent programs (``WorkList``): the global heads' tiles first, then the local ones',
-    # in one launch; 12 tiles on 3 programs (4 whole rounds) and on 5 (the last round short)
-    (1, 384, 4, 2, 64, (None, 50, 130, None), (64, 64, 2, "mosaic", "triton", 64, 2, 3)),
-    (2, 200, 3, 3, 64, (7, None, 64), (64, 64, 3, "mosaic", "triton", 64, 2, 5)),
-    (1, 256, 2, 2, 64, (30, 100), (64, 64, 2, "mosaic", "triton", 64, 2, 3)),  # no global head
-    (1, 256, 2, 1, 64, (None, 50), (64, 64, 2, "mosaic", "triton", 64, 3, 2)),  # 3 consumers
-    (2, 160, 4, 2, 64, (5, None, 64, None), (64, 64, 2, "mixed", "triton", 64, 2, 3)),
 ]
 
 
@@ -511,8 +503,7 @@ def test_row_delta_of_some_heads():
     (64, (None, 1, 128, None), dict(mosaic_bwd_block_q=128)),   # masks, 128-row bwd blocks
     (64, (None,) * 2, dict(mosaic_consumers=3, mosaic_bwd_block_q=128)),  # constant window
     (128, (None, 50), dict(mosaic_block_k=128, mosaic_dq_block_k=128)),
-    (64, (None, 128, 128, 128), dict(mosaic_programs=132)),  # persistent forward
-], ids=["d64-mixed", "d64-global-3consumers", "d128", "d64-persistent"])
+], ids=["d64-mixed", "d64-global-3consumers", "d128"])
 def test_mosaic_kernels_lower_for_the_gpu_on_cpu(D, windows, config):
     """The GPU code paths that interpret mode does not run (register-operand and overlapped
     wgmma in the backward, ``mosaic_ring.mma`` on the GPU) lowered to Mosaic GPU's module on
@@ -537,21 +528,6 @@ def test_mosaic_kernels_lower_for_the_gpu_on_cpu(D, windows, config):
         assert "mosaic_gpu" in lowered.as_text(), kernel.__name__
 
 
-def test_persistent_work_list_covers_every_tile_once_global_heads_first():
-    """``WorkList.item``: the items 0..size-1 of a persistent launch are every (batch, head,
-    tile) once; the global heads' come first, each part from the last tile to the first."""
-    from ls_jax.kernels.pallas_gpu.mosaic_ring import WorkList
-    work = WorkList(heads=(2, 0, 1, 3), windows=(512, 512, 64, 100), num_wide=2, num_tiles=3,
-                    batch=2, programs=5)
-    items = [tuple(int(x) for x in work.item(jnp.int32(i))) for i in range(work.size)]
-    assert sorted((b, h, t) for b, h, _, t in items) == [
-        (b, h, t) for b in range(2) for h in range(4) for t in range(3)]
-    assert {h for _, h, _, _ in items[:12]} == {0, 2}            # the global heads first
-    assert all(w == {2: 512, 0: 512, 1: 64, 3: 100}[h] for _, h, w, _ in items)
-    for part in (items[:12], items[12:]):
-        assert [t for *_, t in part] == [2] * 4 + [1] * 4 + [0] * 4
-
-
 MOSAIC_GPU_CASES = [
     # (B, T, Hq, Hkv, D, windows, mosaic tiles)
     (2, 2048, 8, 8, 64, (None,) + (128,) * 7, (64, 64, 2)),
@@ -570,12 +546,6 @@ MOSAIC_GPU_CASES = [
     (1, 4000, 8, 2, 64, (None, 50, 512, 1, None, 128, 4000, 7),
      (64, 128, 2, "mosaic", "mosaic", 128, 3)),
     (2, 2048, 4, 4, 64, (None,) * 4, (64, 128, 2, "mosaic", "mosaic", 128, 3)),
-    # persistent programs (one per SM of an H100): every head in one launch, the global first
-    (2, 2048, 8, 8, 64, (None,) + (128,) * 7, (64, 128, 2, "mosaic", "triton", 128, 2, 132)),
-    (1, 3000, 8, 2, 128, (None, 50, 512, 1, None, 128, 3000, 7),
-     (64, 128, 2, "mosaic", "triton", 64, 2, 132)),
-    (1, 4000, 8, 2, 64, (None, 50, 512, 1, None, 128, 4000, 7),
-     (64, 128, 2, "mosaic", "triton", 128, 3, 132)),
 ]
 
 

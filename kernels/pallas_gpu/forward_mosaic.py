@@ -27,13 +27,6 @@ at the window edge, an unmasked loop over the blocks fully inside the band and a
 on the diagonal (the ranges of the Triton kernels: ``tiles.split_kv_loop``). Query tiles run
 from the last (longest) to the first, so a global head's long rows start first.
 
-The producer also loads each consumer's query block. With ``KernelConfig.mosaic_programs``
-P > 0 the launch is persistent (``mosaic_ring.WorkList``): P programs loop over the tiles,
-the global heads' first (with the turns when two consumers), then the local heads' (without:
-two or three key blocks are too short a band for a turn to hide anything); the producer
-prefetches the next tile's query blocks into a second slot, and a consumer gives a slot back
-at the start of its next tile, once the output copies staged in it have read it.
-
 Outputs are those of ``forward.forward_call``: out, lse2 (log2 domain) and the per-row
 max |logit| when asked, so the Triton backward kernels take them unchanged.
 
@@ -52,77 +45,53 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ls_jax.kernels.band import allowed, is_global, kv_block_range
-from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, TILE_TRANSFORMS, WorkList,
-                                                   band_loops, drain_ring, interpreter_fits,
-                                                   launch, mma, produce_kv, ring_slot,
-                                                   selected_heads, tile_iota, tile_union,
-                                                   wait_kv_free)
+from ls_jax.kernels.band import allowed, kv_block_range
+from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, TILE_TRANSFORMS, band_loops,
+                                                   interpreter_fits, launch, mma, produce_kv,
+                                                   program_ids, ring_slot, selected_heads,
+                                                   tile_iota, tile_union)
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR, split_kv_loop
 
-def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, work, group,
-            block_q, block_k, stages, consumers, seq_len, score_scale, scale, with_stats,
-            interpret):
+def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
+            block_q, block_k, stages, num_tiles, consumers, seq_len, score_scale, scale,
+            with_stats, interpret):
     smem, loaded, freed, turn = scoped
-    q_smem3, k_smem, v_smem, lse_smem3, stat_smem3 = smem
+    q_smem2, k_smem, v_smem, lse_smem2, stat_smem2 = smem
     k_loaded, v_loaded, q_loaded = loaded
-    k_free, v_free, q_free = freed
-    wg = lax.axis_index("wg")
-    persistent = bool(work.programs)
-    q_slots = q_smem3.shape[0]  # 2 in a persistent launch: the next tile's Q is prefetched
+    k_free, v_free = freed
+    b, h, window, wg = program_ids(heads, windows)
+    tile = num_tiles - 1 - lax.axis_index("tile")  # longest rows first
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
     c = score_scale
+
+    # key blocks of the whole tile: the union of the consumers' ranges
     num_q_blocks = seq_len // block_q
+    union_first, union_end = tile_union(kv_block_range, tile, block_q, block_k, window, seq_len,
+                                        consumers=consumers, num_blocks=num_q_blocks)
     consumer_registers, producer_registers = REGISTERS[consumers]
+    ping_pong = consumers == 2  # three consumers run free
 
-    def union(tile, window):
-        """[first, end): key blocks of the whole tile, the union of the consumers' ranges."""
-        return tile_union(kv_block_range, tile, block_q, block_k, window, seq_len,
-                          consumers=consumers, num_blocks=num_q_blocks)
+    def take_turn():
+        if ping_pong:
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
 
-    def turn_taken():
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
+    def slot_of(j):
+        return ring_slot(j, union_first, stages)
 
-    def release_previous(done):
-        """After ``done`` tiles: the last one's Q slot back to the producer once its output
-        copies (staged in that slot) have read it."""
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        pl.when(done > 0)(lambda: plgpu.barrier_arrive(
-            q_free.at[lax.rem(done + q_slots - 1, jnp.int32(q_slots)) * consumers + wg]))
-
-    def query_block(tile, consumer):
-        q_block = consumers * tile + consumer
+    @pl.when(wg < consumers)
+    def _consumer():
+        plgpu.set_max_registers(consumer_registers, action="increase")
+        q_block = consumers * tile + wg
         if num_q_blocks % consumers:  # a short last tile: its extra consumers redo the last
             # block (and store the same rows) rather than branch around the ring's barriers
             q_block = jnp.minimum(q_block, num_q_blocks - 1)
-        return q_block
-
-    def consume_tile(item, carry, ping_pong: bool):
-        """One tile's query block of this consumer: its band, then its rows of the outputs.
-        carry: (key blocks streamed, tiles done) by this program before the tile. With
-        ``ping_pong`` the two consumers take turns on the tensor cores."""
-        streamed, done = carry
-        b, h, window, tile = item
-        union_first, union_end = union(tile, window)
-
-        def take_turn():
-            if ping_pong:
-                turn_taken()
-
-        def slot_of(j):
-            return ring_slot(j, union_first, stages, streamed)
-
-        q_block = query_block(tile, wg)
         q_first = q_block * block_q
-        q_slot = lax.rem(done, jnp.int32(q_slots)) if persistent else 0
-        q_smem = q_smem3.at[q_slot, wg]
-        if persistent:  # the previous tile's slot, once its copies have read it, goes back to
-            # the producer here, not at that tile's end: with the turns, the other consumer
-            # ends a tile only after this one started the next
-            release_previous(done)
-        plgpu.barrier_wait(q_loaded.at[q_slot * consumers + wg])  # (the producer loads it)
+        q_smem = q_smem2.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_first, block_q), h], q_smem,
+                                q_loaded.at[wg])
+        plgpu.barrier_wait(q_loaded.at[wg])
 
         ranges = split_kv_loop(q_block, block_q, block_k, window, seq_len)
 
@@ -194,15 +163,19 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, work, gr
             plgpu.barrier_arrive(v_free.at[slot])
             return (acc_QxD, m_new_Q, l_Q, *min_Q)
 
+        if ping_pong:
+            pl.when(wg == 1)(take_turn)  # consumer 1 starts half a step behind
         carry = band_loops(union_first, union_end, ranges, skip, step, carry)
+        if ping_pong:
+            pl.when(wg == 0)(take_turn)
 
         acc_QxD, m_Q, l_Q, *min_Q = carry
         inv_l_Q = 1.0 / l_Q
         q_smem[...] = (acc_QxD * lax.broadcast_in_dim(inv_l_Q, acc_QxD.shape, [0])).astype(dtype)
-        lse_smem = lse_smem3.at[q_slot, wg]
+        lse_smem = lse_smem2.at[wg]
         lse_smem[...] = m_Q + jnp.log2(l_Q)
         if with_stats:  # max |logit| = max(max, -min) * scale; m_Q is max * scale * log2(e)
-            stat_smem = stat_smem3.at[q_slot, wg]
+            stat_smem = stat_smem2.at[wg]
             stat_smem[...] = jnp.maximum(m_Q * (1.0 / LOG2_E), -min_Q[0] * scale)
         plgpu.commit_smem()
         rows = pl.ds(q_first, block_q)
@@ -210,62 +183,12 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, work, gr
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
         if with_stats:
             plgpu.copy_smem_to_gmem(stat_smem, stat_ref.at[b, h, rows])
-        if not persistent:
-            plgpu.wait_smem_to_gmem(0)
-        return streamed + union_end - union_first, done + 1
-
-    def consume(carry, ping_pong: bool, part: str = "all"):
-        if ping_pong:
-            pl.when(wg == 1)(turn_taken)  # half a step behind
-        carry = work.run(functools.partial(consume_tile, ping_pong=ping_pong), carry, part)
-        if ping_pong:
-            pl.when(wg == 0)(turn_taken)
-        return carry
-
-    @pl.when(wg < consumers)
-    def _consumer():
-        plgpu.set_max_registers(consumer_registers, action="increase")
-        carry = (jnp.int32(0), jnp.int32(0)) if persistent else (0, 0)
-        if not persistent:  # two consumers take turns, three run free (run L)
-            consume(carry, ping_pong=consumers == 2)
-            return
-        # The global heads' tiles with the turns; the local heads' (two or three key blocks)
-        # without them: a turn costs more than it hides on so short a band.
-        carry = consume(carry, ping_pong=consumers == 2, part="wide")
-        _, done = consume(carry, ping_pong=False, part="narrow")
-        release_previous(done)
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == consumers)
-    def _producer():
-        plgpu.set_max_registers(producer_registers, action="decrease")
-
-        def wait_q_free(q_slot):
-            for consumer in range(consumers):
-                plgpu.barrier_wait(q_free.at[q_slot * consumers + consumer])
-
-        def produce_tile(item, carry):
-            streamed, done = carry
-            b, h, window, tile = item
-            q_slot = lax.rem(done, jnp.int32(q_slots)) if persistent else 0
-            if persistent:
-                pl.when(done >= q_slots)(functools.partial(wait_q_free, q_slot))
-            for consumer in range(consumers):
-                rows = pl.ds(query_block(tile, consumer) * block_q, block_q)
-                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem3.at[q_slot, consumer],
-                                        q_loaded.at[q_slot * consumers + consumer])
-            first, end = union(tile, window)
-            streamed = produce_kv(k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded),
-                                  (k_free, v_free), b=b, kv_head=lax.div(h, jnp.int32(group)),
-                                  block_k=block_k, first=first, end=end, stages=stages,
-                                  registers=None, streamed=streamed, drain=False)
-            return streamed, done + 1
-
-        streamed, done = work.run(produce_tile, (jnp.int32(0), jnp.int32(0)) if persistent
-                                  else (0, 0))
-        drain_ring(streamed, stages, functools.partial(wait_kv_free, (k_free, v_free)))
-        if persistent:
-            drain_ring(done, q_slots, wait_q_free)
+    pl.when(wg == consumers)(functools.partial(
+        produce_kv, k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded), (k_free, v_free), b=b,
+        kv_head=lax.div(h, jnp.int32(group)), block_k=block_k, first=union_first,
+        end=union_end, stages=stages, registers=producer_registers))
 
 
 def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
@@ -288,18 +211,11 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
     num_tiles = pl.cdiv(Tp, consumers * block_q)
     assert Tp % block_q == 0 and Tp % block_k == 0, (Tp, block_q, block_k)
     heads, windows = selected_heads(plan, H, heads)
-    wide = [is_global(w, Tp) for w in windows]
-    if cfg.mosaic_programs:  # a persistent launch runs the global heads' long tiles first
-        order = sorted(range(len(heads)), key=lambda i: not wide[i])
-        heads, windows = tuple(heads[i] for i in order), tuple(windows[i] for i in order)
-    work = WorkList(heads, windows, num_wide=sum(wide), num_tiles=num_tiles, batch=B,
-                    programs=cfg.mosaic_programs)
 
     def entry(q_ref, k_ref, v_ref, out_ref, lse_ref, *stat):
-        q_slots = 2 if work.programs else 1
-        rows = plgpu.SMEM((q_slots, consumers, block_q), jnp.float32)
+        rows = plgpu.SMEM((consumers, block_q), jnp.float32)
         scratch = [
-            plgpu.SMEM((q_slots, consumers, block_q, Dp), q.dtype, transforms=TILE_TRANSFORMS),
+            plgpu.SMEM((consumers, block_q, Dp), q.dtype, transforms=TILE_TRANSFORMS),
             plgpu.SMEM((stages, block_k, Dp), q.dtype, transforms=TILE_TRANSFORMS),
             plgpu.SMEM((stages, block_k, Dp), q.dtype, transforms=TILE_TRANSFORMS),
             rows,
@@ -307,17 +223,16 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
         ]
         body = functools.partial(
             _kernel, q_ref, k_ref, v_ref, out_ref, lse_ref, stat[0] if with_stats else None,
-            work=work, group=H // G, block_q=block_q, block_k=block_k,
-            stages=stages, consumers=consumers, seq_len=Tp,
+            heads=heads, windows=windows, group=H // G, block_q=block_q, block_k=block_k,
+            stages=stages, num_tiles=num_tiles, consumers=consumers, seq_len=Tp,
             score_scale=plan.scale * LOG2_E, scale=plan.scale, with_stats=with_stats,
             interpret=interpret)
         pl.run_scoped(
             lambda *scoped: body(scoped),
             scratch,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=q_slots * consumers)),
-            (plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),) * 2
-            + (plgpu.Barrier(num_barriers=q_slots * consumers),),  # persistent: Q slot free
+             plgpu.Barrier(num_barriers=consumers)),
+            (plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),) * 2,
             plgpu.Barrier(num_arrivals=2),  # the ping-pong's turn (two consumers)
             collective_axes="wg",
         )
@@ -327,5 +242,5 @@ def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
     if with_stats:
         out_type.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
     outs = launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
-                  interpret=interpret, consumers=consumers, programs=work.programs)(q, k, v)
+                  interpret=interpret, consumers=consumers)(q, k, v)
     return outs[0], outs[1], outs[2] if with_stats else None

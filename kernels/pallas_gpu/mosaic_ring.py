@@ -19,7 +19,6 @@ completed phase was observed).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
@@ -80,19 +79,17 @@ def interpreter_fits(consumers: int) -> bool:
 
 
 def launch(body, out_type, *, num_heads: int, num_tiles: int, batch: int, interpret: bool,
-           consumers: int = CONSUMERS, programs: int = 0):
-    """``plgpu.kernel`` over the grid (head, tile, batch), or over ``programs`` persistent
-    programs (grid axis "program", ``WorkList``) when it is > 0, with the ``consumers`` and
-    the producer as warpgroups "wg" (in Pallas' GPU interpreter when ``interpret``)."""
+           consumers: int = CONSUMERS):
+    """``plgpu.kernel`` over the grid (head, tile, batch) with the ``consumers`` and the
+    producer as warpgroups "wg" (in Pallas' GPU interpreter when ``interpret``)."""
     extra = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         extra["interpret"] = InterpretGPUParams()
-    grid, names = ((programs,), ("program",)) if programs else (
-        (num_heads, num_tiles, batch), ("heads", "tile", "batch"))
     return plgpu.kernel(
-        body, out_type=out_type, grid=grid, grid_names=names, num_threads=consumers + 1,
-        thread_name="wg", compiler_params=plgpu.CompilerParams(approx_math=True), **extra)
+        body, out_type=out_type, grid=(num_heads, num_tiles, batch),
+        grid_names=("heads", "tile", "batch"), num_threads=consumers + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True), **extra)
 
 
 def pick(i, values: tuple[int, ...]):
@@ -106,62 +103,46 @@ def pick(i, values: tuple[int, ...]):
     return value
 
 
-def ring_slot(j, first, stages: int, streamed=0):
-    """The ring slot of block ``j`` of a stream that starts at block ``first`` after
-    ``streamed`` blocks of earlier tiles (a persistent program's, ``WorkList``)."""
-    count = j - first if isinstance(streamed, int) and streamed == 0 else streamed + j - first
-    return lax.rem(count, jnp.int32(stages))
+def ring_slot(j, first, stages: int):
+    """The ring slot of block ``j`` when the stream starts at block ``first``."""
+    return lax.rem(j - first, jnp.int32(stages))
 
 
-def produce(first, end, stages: int, load, wait_free, streamed=0, drain: bool = True):
-    """The producer: blocks [first, end) into the ring, after ``streamed`` blocks of earlier
-    tiles. ``load(j, slot)`` issues block j's TMA copies into ``slot``; ``wait_free(slot)``
-    waits until every consumer released it. ``drain`` ends the stream: it waits for the last
-    releases (every phase of a barrier is observed); else the stream goes on with the next
-    tile's blocks, and the count of blocks streamed so far is returned."""
+def produce(first, end, stages: int, load, wait_free):
+    """The producer: blocks [first, end) into the ring. ``load(j, slot)`` issues block j's
+    TMA copies into ``slot``; ``wait_free(slot)`` waits until both consumers released it."""
+    for s in range(stages):  # fill the ring
+        pl.when(s < end - first)(functools.partial(load, first + s, s))
 
-    def block(j, _):
-        count = j - first + streamed
-        slot = lax.rem(count, jnp.int32(stages))
-        pl.when(count >= stages)(functools.partial(wait_free, slot))  # a full ring: refill
+    def refill(j, _):
+        slot = ring_slot(j, first, stages)
+        wait_free(slot)
         load(j, slot)
 
-    lax.fori_loop(first, end, block, None)
-    streamed = streamed + end - first
-    if not drain:
-        return streamed
-    drain_ring(streamed, stages, wait_free)
-    return None
+    lax.fori_loop(first + stages, end, refill, None)
 
+    def drain(j, _):  # the last blocks' releases: every phase of a barrier is observed
+        wait_free(ring_slot(j, first, stages))
 
-def drain_ring(streamed, stages: int, wait_free):
-    """Waits for the releases of the last ``stages`` of ``streamed`` blocks."""
-    lax.fori_loop(jnp.maximum(streamed - stages, 0), streamed,
-                  lambda count, _: wait_free(lax.rem(count, jnp.int32(stages))), None)
+    lax.fori_loop(jnp.maximum(end - stages, first), end, drain, None)
 
 
 def produce_kv(k_ref, v_ref, k_smem, v_smem, loaded, free, *, b, kv_head, block_k, first,
-               end, stages: int, registers: int | None = PRODUCER_REGISTERS, streamed=0,
-               drain: bool = True):
+               end, stages: int, registers: int = PRODUCER_REGISTERS):
     """The producer of the forward and dQ kernels: key and value blocks [first, end) of
-    batch ``b``, kv head ``kv_head`` into the ring (``produce``; ``registers`` None leaves
-    the register budget as it is). loaded, free: (k, v) barrier arrays."""
-    if registers is not None:
-        plgpu.set_max_registers(registers, action="decrease")
+    batch ``b``, kv head ``kv_head`` into the ring. loaded, free: (k, v) barrier arrays."""
+    plgpu.set_max_registers(registers, action="decrease")
 
     def load(j, slot):
         cols = (b, pl.ds(j * block_k, block_k), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[cols], k_smem.at[slot], loaded[0].at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[cols], v_smem.at[slot], loaded[1].at[slot])
 
-    return produce(first, end, stages, load, functools.partial(wait_kv_free, free),
-                   streamed=streamed, drain=drain)
+    def wait_free(slot):
+        plgpu.barrier_wait(free[0].at[slot])
+        plgpu.barrier_wait(free[1].at[slot])
 
-
-def wait_kv_free(free, slot):
-    """Waits until every consumer released the key and the value buffer of ``slot``."""
-    plgpu.barrier_wait(free[0].at[slot])
-    plgpu.barrier_wait(free[1].at[slot])
+    produce(first, end, stages, load, wait_free)
 
 
 def program_ids(heads: tuple[int, ...], windows: tuple[int, ...]):
@@ -170,88 +151,6 @@ def program_ids(heads: tuple[int, ...], windows: tuple[int, ...]):
     slot = lax.axis_index("heads")
     return (lax.axis_index("batch"), pick(slot, heads), pick(slot, windows),
             lax.axis_index("wg"))
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkList:
-    """The tiles of one forward launch, and which program runs which.
-
-    An item is one (head, query tile, batch element). With ``programs`` 0 the launch is a
-    grid (head, tile, batch), one item per program, tiles from the last (longest) to the
-    first. With ``programs`` P > 0 it is *persistent*: P programs (one per SM) loop over every
-    item, the global heads' first (``num_wide``, at the front of ``heads``), then the others.
-    Each part runs from the last tile to the first, then head, then batch element (the
-    batch-major order of the grid measured worse: a lone global head's long tiles of the last
-    batch element start late, H100 run N). Program p takes items p, 2P - 1 - p, 2P + p, ...
-    (a snake over rounds of P items, which evens out the long and short tiles). The local
-    heads' short tiles fill in behind the global heads' long ones in the same launch, and one
-    program's producer prefetches its next tile (Q and key/value blocks) while its consumers
-    finish the current one.
-    """
-
-    heads: tuple[int, ...]
-    windows: tuple[int, ...]
-    num_wide: int
-    num_tiles: int
-    batch: int
-    programs: int = 0
-
-    @property
-    def size(self) -> int:
-        return len(self.heads) * self.num_tiles * self.batch
-
-    @property
-    def wide_items(self) -> int:
-        return self.num_wide * self.num_tiles * self.batch
-
-    def run(self, body, carry, part: str = "all"):
-        """``carry = body((b, head, window, tile), carry)`` over the running program's items:
-        "all", or in a persistent launch only the global heads' ("wide") or the others'
-        ("narrow"; a program runs all its wide items before its narrow ones)."""
-        if not self.programs:
-            assert part == "all", part
-            slot = lax.axis_index("heads")
-            tile = self.num_tiles - 1 - lax.axis_index("tile")
-            item = (lax.axis_index("batch"), pick(slot, self.heads), pick(slot, self.windows),
-                    tile)
-            return body(item, carry)
-        p, programs = lax.axis_index("program"), self.programs
-
-        def item_index(r):
-            forward = lax.rem(r, jnp.int32(2)) == 0
-            return r * programs + jnp.where(forward, p, programs - 1 - p)
-
-        def rounds_below(limit: int):
-            """How many of this program's items have an index below ``limit``."""
-            if limit == 0:
-                return jnp.int32(0)
-            rounds = -(-limit // programs)
-            return rounds - 1 + (item_index(jnp.int32(rounds - 1)) < limit).astype(jnp.int32)
-
-        lo = rounds_below(self.wide_items) if part == "narrow" else 0
-        hi = rounds_below(self.wide_items if part == "wide" else self.size)
-        return lax.fori_loop(lo, hi, lambda r, c: body(self.item(item_index(r)), c), carry)
-
-    def item(self, i):
-        """(b, head, window, tile) of item ``i`` of the persistent order."""
-        wide_items = self.wide_items
-
-        def part(r, first_slot: int, num_heads: int):
-            per_tile = jnp.int32(num_heads * self.batch)
-            within = lax.rem(r, per_tile)
-            return (first_slot + lax.div(within, jnp.int32(self.batch)),
-                    lax.rem(within, jnp.int32(self.batch)),
-                    self.num_tiles - 1 - lax.div(r, per_tile))
-
-        parts = []
-        if self.num_wide:
-            parts.append(part(i, 0, self.num_wide))
-        if self.num_wide < len(self.heads):
-            parts.append(part(jnp.maximum(i - wide_items, 0), self.num_wide,
-                              len(self.heads) - self.num_wide))
-        slot, b, tile = parts[0] if len(parts) == 1 else (
-            jnp.where(i < wide_items, x, y) for x, y in zip(*parts))
-        return b, pick(slot, self.heads), pick(slot, self.windows), tile
 
 
 def tile_union(block_range, tile, block_q: int, block_k: int, window, seq_len: int,

@@ -84,10 +84,6 @@ class KernelConfig:
     else the Triton kernels run every head): ``backward_mosaic.py`` with blocks
     mosaic_bwd_block_q x mosaic_bwd_block_k (a consumer owns one block of its side);
     mosaic_dq_block_k: the dQ kernel's streamed key blocks (0: mosaic_bwd_block_k).
-    mosaic_programs: 0 launches the Hopper forward as a grid of one tile per program; P > 0
-    as P persistent programs (one per SM) that loop over the tiles, the global heads' first,
-    so with ``fwd_lowering`` "mosaic" the local heads' tiles fill in behind them in the same
-    launch (``mosaic_ring.WorkList``).
     """
 
     fwd_block_q: int = 64
@@ -120,7 +116,6 @@ class KernelConfig:
     mosaic_bwd_block_q: int = 64
     mosaic_bwd_block_k: int = 64
     mosaic_dq_block_k: int = 0
-    mosaic_programs: int = 0
 
     def blocks(self) -> tuple[int, ...]:
         blocks = tuple(getattr(self, name) for name in _BLOCK_FIELDS + _WIDE_BLOCK_FIELDS
@@ -163,9 +158,6 @@ class KernelConfig:
         if self.mosaic_consumers not in (2, 3):
             raise ValueError(f"config.mosaic_consumers: expected 2 or 3, got "
                              f"{self.mosaic_consumers!r}")
-        if not isinstance(self.mosaic_programs, int) or self.mosaic_programs < 0:
-            raise ValueError(f"config.mosaic_programs: expected an int >= 0, got "
-                             f"{self.mosaic_programs!r}")
         if not isinstance(self.mosaic_stages, int) or self.mosaic_stages < 2:
             raise ValueError(f"config.mosaic_stages: expected an int >= 2, got "
                              f"{self.mosaic_stages!r}")

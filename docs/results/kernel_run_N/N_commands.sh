@@ -41,3 +41,7 @@ timeout 250 ncu --clock-control none -k regex:ls_attention_fwd -c 1 $S -f -o $OU
 timeout 60 ncu --import $OUT/local_fwd.ncu-rep --print-summary none > $OUT/local_fwd_details.txt 2>&1
 grep -i "Duration\|Throughput\|Occupancy\|Registers\|Shared Memory\|Block Size\|Grid Size\|Waves\|Stall\|Eligible\|Issued\|Hit Rate\|Active Warps\|No Eligible" $OUT/local_fwd_details.txt | head -70
 tail -3 $OUT/ncu_log.txt
+# ---- calls N8-N9 (nvidia-h100-x1): the strip prototype, from the checkout with
+# scratch/forward_strip.py = N8_forward_strip.py and scratch/bench_strip.py = N8_bench_strip.py
+# (N8 timed strips of 8, 16 and 32 blocks with two consumers; N9 the variants now in the script)
+timeout 300 python scratch/bench_strip.py

@@ -403,6 +403,22 @@ def test_default_forward_consumers(D, windows, T, want):
     assert default_config(jnp.bfloat16, D, windows, T).mosaic_consumers == want
 
 
+def test_register_budgets_fit_what_the_program_launches_with():
+    """setmaxnreg moves registers between a program's warpgroups; it cannot add any. Every
+    budget the kernels use fits; run N's four consumers at 120 (a GPU hang, most likely this)
+    do not."""
+    from ls_jax.kernels.pallas_gpu.mosaic_ring import REGISTERS, launch_registers
+
+    def fits(consumers, consumer, producer):
+        return consumers * consumer + producer <= (consumers + 1) * launch_registers(consumers + 1)
+
+    assert [launch_registers(w) for w in (3, 4, 5)] == [168, 128, 96]  # ptxas, run N (N9)
+    for consumers, (consumer, producer) in REGISTERS.items():
+        assert fits(consumers, consumer, producer), consumers
+        assert consumer % 8 == 0 and producer % 8 == 0 and 24 <= producer <= consumer <= 256
+    assert not fits(4, 120, 24) and fits(4, 112, 24)
+
+
 def test_interpreter_falls_back_to_two_consumers_on_few_processors(monkeypatch):
     """Four warpgroups hung Pallas' GPU interpreter on 2 processors (run L)."""
     from ls_jax.kernels.pallas_gpu.mosaic_ring import interpreter_fits

@@ -32,9 +32,21 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 CONSUMERS = 2
 # registers per thread after ``plgpu.set_max_registers``, by number of consumers: the producer
 # gives up what the consumers take; (2 * 232 + 40) * 128 threads = 64512 of the SM's 65536,
-# and (3 * 160 + 24) * 128 = 64512 with three consumers (the forward at D <= 64)
+# and (3 * 160 + 24) * 128 = 64512 with three consumers (the forward at D <= 64). The
+# warpgroups share what the program was launched with (``launch_registers``): a budget above
+# it leaves the consumers' increase waiting for registers no one gives back (the likely cause of
+# run N's hang: four consumers at 120, 4 * 120 + 24 > 5 * 96; not yet rerun at 112)
 REGISTERS = {2: (232, 40), 3: (160, 24)}
 CONSUMER_REGISTERS, PRODUCER_REGISTERS = REGISTERS[CONSUMERS]
+WARPGROUP_THREADS = 128
+
+
+def launch_registers(warpgroups: int) -> int:
+    """Registers per thread a program of ``warpgroups`` warpgroups starts with: the SM's 65536
+    shared out, in the multiples of 8 registers are allocated in (168, 128, 96 for 3, 4, 5
+    warpgroups, as ptxas reports for our kernels)."""
+    return 65536 // (WARPGROUP_THREADS * warpgroups) // 8 * 8
+
 
 # the lowering's constraints (why a call may not take this path: ``mosaic_fits``)
 MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)

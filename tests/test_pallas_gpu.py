@@ -336,10 +336,14 @@ def test_gpu_float32_matches_reference():
 # The Hopper forward (``forward_mosaic.py``): the Mosaic GPU kernel, with the Triton backward.
 
 def mosaic_config(block_q=64, block_k=64, stages=2, lowering="mosaic", bwd="triton",
-                  bwd_block_q=64, consumers=2):
+                  bwd_block_q=64, consumers=2, strip=None):
+    """strip: None keeps the local heads' forward on Triton; else strips of that many query
+    blocks (0: the kernel's choice)."""
     return KernelConfig(fwd_lowering=lowering, bwd_lowering=bwd, mosaic_block_q=block_q,
                         mosaic_block_k=block_k, mosaic_stages=stages,
                         mosaic_bwd_block_q=bwd_block_q, mosaic_consumers=consumers,
+                        local_fwd_lowering="triton" if strip is None else "strip",
+                        strip_blocks=strip or 0,
                         fwd_block_q=16, fwd_block_k=16,
                         dq_block_q=16, dq_block_k=16, dkdv_block_q=16, dkdv_block_k=16)
 
@@ -353,6 +357,11 @@ MOSAIC_CASES = [
     (2, 160, 4, 2, 64, (5, None, 64, None), (64, 64, 2, "mixed")),
     # three consumers: 4 query blocks, so the last tile's extra consumers redo block 3
     (1, 256, 2, 1, 64, (None, 50), (64, 64, 2, "mosaic", "triton", 64, 3)),
+    # the local heads as strips (forward_strip.py) into the global heads' buffers: padded T
+    # (8 query blocks: strips of 3, 3, 2), GQA, p = 1, p = a block, p = 4 blocks - 1
+    (1, 400, 5, 1, 64, (None, 1, 64, 255, 100), (64, 64, 2, "mixed", "triton", 64, 2, 3)),
+    # every head local (no earlier launch), strips of 2 of 4 blocks, two batch elements
+    (2, 256, 2, 2, 64, (50, 128), (64, 64, 2, "triton", "triton", 64, 2, 2)),
 ]
 
 
@@ -375,6 +384,44 @@ def test_default_lowerings(dtype, D, windows, T, want):
     from ls_jax.kernels.pallas_gpu import default_config
     config = default_config(dtype, D, windows, T)
     assert (config.fwd_lowering, config.bwd_lowering) == want
+
+
+@pytest.mark.parametrize("dtype,D,windows,T,want", [
+    (jnp.bfloat16, 64, (None,) + (128,) * 15, 8192, "strip"),   # run O: forward 3-7% faster
+    (jnp.bfloat16, 64, (50,) * 16, 4096, "strip"),               # no global head
+    (jnp.bfloat16, 64, (None,) + (128,) * 15, 2048, "triton"),  # short: measured slower
+    (jnp.bfloat16, 64, (None,) * 4, 8192, "triton"),             # no local head
+    (jnp.bfloat16, 128, (None,) + (128,) * 15, 8192, "triton"),  # D=128: three consumers spill
+    (jnp.float32, 64, (None,) + (128,) * 15, 8192, "triton"),
+])
+def test_default_local_forward(dtype, D, windows, T, want):
+    """Where the defaults run the local heads' forward as strips (run O)."""
+    from ls_jax.kernels.pallas_gpu import default_config
+    assert default_config(dtype, D, windows, T).local_fwd_lowering == want
+
+
+@pytest.mark.parametrize("windows,D,want", [
+    ((128, 50), 64, True), ((256,), 64, True),   # p=256 ran on the H100 (run O: O4-O6)
+    ((257,), 64, False), ((512, 50), 64, False), ((128,), 128, False), ((), 64, False),
+])
+def test_strip_fits(windows, D, want):
+    """The strip kernel takes D=64 and windows up to 256: a ring of 10 slots for p=257 would
+    need 239,104 bytes of the H100's 232,448."""
+    from ls_jax.kernels.pallas_gpu.forward_strip import strip_fits
+    assert strip_fits(D, windows) == want
+
+
+@pytest.mark.parametrize("blocks,rows,sms,want", [
+    (128, 64, 132, 64),    # n=8192, B=4, 16 heads: 2 strips a head (run O's fastest)
+    (512, 64, 132, 128),   # n=32768: capped at 128 blocks (4 strips a head, run O)
+    (64, 64, 132, 32),     # n=4096
+    (128, 15, 132, 16),    # B=1, 15 heads: 8 strips a head, 120 programs
+    (128, 256, 132, 128),  # more (head, batch) pairs than SMs: one strip a head
+    (3, 1, 132, 1),
+])
+def test_strip_length(blocks, rows, sms, want):
+    from ls_jax.kernels.pallas_gpu.forward_strip import strip_length
+    assert strip_length(blocks, rows, sms) == want
 
 
 @pytest.mark.parametrize("D,windows,want", [
@@ -496,6 +543,8 @@ class TestMosaicInterpret:
                            (dict(mosaic_stages=1), "mosaic_stages"),
                            (dict(mosaic_dq_block_k=96), "mosaic_dq_block_k"),
                            (dict(mosaic_consumers=4), "mosaic_consumers"),
+                           (dict(local_fwd_lowering="mosaic"), "local_fwd_lowering"),
+                           (dict(strip_blocks=-1), "strip_blocks"),
                            (dict(fwd_lowering="cuda"), "fwd_lowering")]:
             with pytest.raises(ValueError, match=field):
                 pallas_gpu_attention(q, q, q, (None,), config=dataclasses.replace(
@@ -544,6 +593,28 @@ def test_mosaic_kernels_lower_for_the_gpu_on_cpu(D, windows, config):
         assert "mosaic_gpu" in lowered.as_text(), kernel.__name__
 
 
+def test_strip_forward_lowers_for_the_gpu_on_cpu():
+    """The strip forward (three consumers, statistics) lowered for an H100 on the CPU, alone
+    and writing into an earlier launch's buffers: those come back as aliased operands of the
+    kernel's custom call, not copies."""
+    from ls_jax.kernels.pallas_gpu.forward_strip import forward_call_strip
+    from ls_jax.kernels.pallas_gpu.plan import make_plan
+
+    T, windows = 1024, (None, 128, 50, 256)
+    plan = make_plan(seq_len=T, head_dim=64, windows=windows, num_kv_heads=2,
+                     dtype=jnp.bfloat16, scale=0.125,
+                     config=KernelConfig(fwd_lowering="mixed", local_fwd_lowering="strip"),
+                     logit_stats=True, interpret=False)
+    x = jax.ShapeDtypeStruct((2, T, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, T, 2, 64), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((2, 4, T), jnp.float32)
+    alone = jax.jit(lambda q, k, v: forward_call_strip(plan, q, k, v, (1, 2, 3)))
+    assert "mosaic_gpu" in alone.trace(x, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    into = jax.jit(lambda q, k, v, *outs: forward_call_strip(plan, q, k, v, (1, 2, 3), outs))
+    text = into.trace(x, kv, kv, x, rows, rows).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("output_operand_alias<") == 3, "out, lse and statistics aliased"
+
+
 MOSAIC_GPU_CASES = [
     # (B, T, Hq, Hkv, D, windows, mosaic tiles)
     (2, 2048, 8, 8, 64, (None,) + (128,) * 7, (64, 64, 2)),
@@ -562,6 +633,11 @@ MOSAIC_GPU_CASES = [
     (1, 4000, 8, 2, 64, (None, 50, 512, 1, None, 128, 4000, 7),
      (64, 128, 2, "mosaic", "mosaic", 128, 3)),
     (2, 2048, 4, 4, 64, (None,) * 4, (64, 128, 2, "mosaic", "mosaic", 128, 3)),
+    # the local heads as strips (forward_strip.py): into the global heads' buffers (strip
+    # length from the SM count), and every head local on strips of 5 blocks, padded T
+    (2, 2048, 8, 4, 64, (None, 128, None, 50, 128, 256, 1, 2048),
+     (64, 128, 2, "mixed", "triton", 128, 3, 0)),
+    (1, 3000, 4, 2, 64, (128, 50, 1, 200), (64, 128, 2, "mixed", "mixed", 128, 2, 5)),
 ]
 
 

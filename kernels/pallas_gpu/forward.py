@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ls_jax.kernels.pallas_gpu.forward_mosaic import forward_call_mosaic
+from ls_jax.kernels.pallas_gpu.forward_strip import forward_call_strip, strip_fits
 from ls_jax.kernels.pallas_gpu.mosaic_ring import mosaic_fits
 from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, ClassPaths, TilePath
 from ls_jax.kernels.pallas_gpu.tiles import (LOG2_E, MASKED_SCORE, MAX_FLOOR, allowed_QxK,
@@ -141,20 +142,26 @@ def forward_call(plan: AttentionPlan, q, k, v, segment_ids):
     With ``config.fwd_lowering`` "mosaic", calls that fit it (``mosaic_ring.mosaic_fits``)
     run the Hopper kernel of ``forward_mosaic.py`` instead (same outputs); with "mixed" only
     their global heads do (a first launch) and this kernel computes the local heads into the
-    same buffers (a second launch, outputs aliased to the first's).
+    same buffers (a second launch, outputs aliased to the first's). With
+    ``config.local_fwd_lowering`` "strip", local heads this kernel would run go to
+    ``forward_strip.py`` instead where it fits (the same outputs, the same aliasing).
     """
     B, Tp, H, Dp = q.shape
     prefilled, heads = (), None  # heads: the ones this kernel computes (None: all)
     lowering = plan.config.fwd_lowering
-    if lowering != "triton" and mosaic_fits(q.dtype, Dp, segment_ids is not None,
-                                            plan.interpret):
-        wide = plan.global_heads()
+    hopper = mosaic_fits(q.dtype, Dp, segment_ids is not None, plan.interpret)
+    wide = plan.global_heads()
+    if lowering != "triton" and hopper:
         if lowering == "mosaic" or len(wide) == H:
             return forward_call_mosaic(plan, q, k, v)
         if wide:  # "mixed": the global heads on the Hopper kernel, the local ones below
             prefilled = tuple(x for x in forward_call_mosaic(plan, q, k, v, heads=wide)
                               if x is not None)
             heads = plan.local_heads()
+    if plan.config.local_fwd_lowering == "strip" and hopper and (heads or not wide):
+        local = plan.local_heads()  # every head left is local: strips, into the same buffers
+        if strip_fits(Dp, [plan.window_table()[h] for h in local]):
+            return forward_call_strip(plan, q, k, v, local, prefilled)
     G = k.shape[2]
     programs = plan.query_plan("fwd")
     c = plan.config

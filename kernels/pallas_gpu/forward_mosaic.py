@@ -48,8 +48,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ls_jax.kernels.band import allowed, kv_block_range
 from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, TILE_TRANSFORMS, band_loops,
                                                    interpreter_fits, launch, mma, produce_kv,
-                                                   program_ids, ring_slot, selected_heads,
-                                                   tile_iota, tile_union)
+                                                   program_ids, ring_slot, row_min,
+                                                   selected_heads, softmax_step, tile_iota,
+                                                   tile_union)
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR, split_kv_loop
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
@@ -121,10 +122,6 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
         # path from the row maximum to the exponentials (before them it cost 11-15%, run L).
         early_min = consumers > 2
 
-        def row_min(s_QxK, ok_QxK, min_Q):
-            s_min = s_QxK if ok_QxK is None else jnp.where(ok_QxK, s_QxK, -MASKED_SCORE)
-            return [jnp.minimum(min_Q[0], s_min.min(axis=1))]
-
         def step(j, carry, masked: bool):
             acc_QxD, m_Q, l_Q, *min_Q = carry
             slot = slot_of(j)
@@ -144,12 +141,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
                 min_Q = row_min(s_QxK, ok_QxK if masked else None, min_Q)
             if masked:
                 s_QxK = jnp.where(ok_QxK, s_QxK, MASKED_SCORE)
-            # scaled running max, floored (see tiles.py: a fully masked row gets p = 0)
-            m_new_Q = jnp.maximum(m_Q, jnp.maximum(s_QxK.max(axis=1) * c, MAX_FLOOR))
-            alpha_Q = jnp.exp2(m_Q - m_new_Q)
-            p_QxK = jnp.exp2(s_QxK * c - lax.broadcast_in_dim(m_new_Q, s_QxK.shape, [0]))
-            acc_QxD = acc_QxD * lax.broadcast_in_dim(alpha_Q, acc_QxD.shape, [0])
-            l_Q = l_Q * alpha_Q + p_QxK.sum(axis=1)
+            p_QxK, acc_QxD, m_new_Q, l_Q = softmax_step(s_QxK, acc_QxD, m_Q, l_Q, c)
             if with_stats and not early_min:
                 min_Q = row_min(s_QxK, ok_QxK if masked else None, min_Q)
             p_QxK = p_QxK.astype(dtype)

@@ -29,6 +29,8 @@ from jax._src.state import types as state_types
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from ls_jax.kernels.pallas_gpu.tiles import MASKED_SCORE, MAX_FLOOR
+
 CONSUMERS = 2
 # registers per thread after ``plgpu.set_max_registers``, by number of consumers: the producer
 # gives up what the consumers take; (2 * 232 + 40) * 128 threads = 64512 of the SM's 65536,
@@ -232,3 +234,21 @@ def tile_iota(rows: int, cols: int, dimension: int):
     """int32 [rows, cols] iota along ``dimension`` in the wgmma accumulator layout."""
     return plgpu.broadcasted_iota(jnp.int32, (rows, cols), dimension,
                                   layout=plgpu.Layout.WGMMA)
+
+
+def softmax_step(s_QxK, acc_QxD, m_Q, l_Q, c):
+    """One base-2 online-softmax update of the Mosaic forwards on (masked) raw scores, ``c``
+    the scale times log2(e): (p, the accumulator rescaled, the new running max, the new row
+    sum). The scaled running max is floored (see tiles.py: a fully masked row gets p = 0)."""
+    m_new_Q = jnp.maximum(m_Q, jnp.maximum(s_QxK.max(axis=1) * c, MAX_FLOOR))
+    alpha_Q = jnp.exp2(m_Q - m_new_Q)
+    p_QxK = jnp.exp2(s_QxK * c - lax.broadcast_in_dim(m_new_Q, s_QxK.shape, [0]))
+    acc_QxD = acc_QxD * lax.broadcast_in_dim(alpha_Q, acc_QxD.shape, [0])
+    return p_QxK, acc_QxD, m_new_Q, l_Q * alpha_Q + p_QxK.sum(axis=1)
+
+
+def row_min(s_QxK, ok_QxK, min_Q):
+    """The logit statistics' running row minimum of the raw scores (``ok_QxK``: the tile's
+    mask, None for a tile inside the band), as a one-element list (the carry's tail)."""
+    s_min = s_QxK if ok_QxK is None else jnp.where(ok_QxK, s_QxK, -MASKED_SCORE)
+    return [jnp.minimum(min_Q[0], s_min.min(axis=1))]

@@ -24,6 +24,15 @@ from ls_jax.kernels.band import (WindowSizes, cdiv, effective_windows, is_global
 
 LOOP_MODES = ("split", "cond", "masked")
 LOWERINGS = ("triton", "mosaic", "mixed")
+LOCAL_FWD_LOWERINGS = ("triton", "strip")
+# the strip forward's query and key blocks (``forward_strip.py``): one wgmma row block; and
+# the head size it takes (three consumers' registers hold D=64 tiles; D=128 would spill)
+STRIP_BLOCK = 64
+STRIP_HEAD_DIM = 64
+# the local heads' forward runs as strips by default from this length (H100 run O: 1g15l D=64
+# p=128 forward 3-7% faster from n=4096; at n=1024-2048, where the call is about 0.05-0.09 ms,
+# the benchmark's rows measured it 4-10% slower although the launches alone were faster)
+STRIP_MIN_SEQ_LEN = 4096
 # LS mixes with D <= 64 up to this length keep the Triton backward (``default_config``)
 SHORT_MIX_TRITON_BWD = 8192
 # the Hopper forward's three-consumer tiles (192 query rows) pay from this many tiles of global
@@ -80,6 +89,10 @@ class KernelConfig:
     that), mosaic_block_k: keys per block, mosaic_stages: key/value blocks in flight
     (multiples of 64; stages >= 2); mosaic_consumers: the forward's consumer warpgroups, 2
     (taking turns on the tensor cores) or 3 (running free, 160 registers each).
+    local_fwd_lowering: the local heads' forward where the Triton kernel would run them:
+    "triton" or "strip" (``forward_strip.py``, Hopper, D=64, windows up to 256:
+    ``forward_strip.strip_fits``; elsewhere Triton), strip_blocks: its query blocks per
+    program (0: from the GPU's SM count, ``forward_strip.strip_length``).
     bwd_lowering: the same choice for the backward ("mixed" needs one kv head per query head,
     else the Triton kernels run every head): ``backward_mosaic.py`` with blocks
     mosaic_bwd_block_q x mosaic_bwd_block_k (a consumer owns one block of its side);
@@ -116,12 +129,16 @@ class KernelConfig:
     mosaic_bwd_block_q: int = 64
     mosaic_bwd_block_k: int = 64
     mosaic_dq_block_k: int = 0
+    local_fwd_lowering: str = "triton"
+    strip_blocks: int = 0
 
     def blocks(self) -> tuple[int, ...]:
         blocks = tuple(getattr(self, name) for name in _BLOCK_FIELDS + _WIDE_BLOCK_FIELDS
                        if getattr(self, name))
         if self.fwd_lowering != "triton":  # (three consumers take a ragged last tile)
             blocks += (2 * self.mosaic_block_q, self.mosaic_block_k)
+        if self.local_fwd_lowering == "strip":
+            blocks += (STRIP_BLOCK,)
         if self.bwd_lowering != "triton":
             blocks += (2 * self.mosaic_bwd_block_q, 2 * self.mosaic_bwd_block_k)
             blocks += (self.mosaic_dq_block_k,) if self.mosaic_dq_block_k else ()
@@ -155,6 +172,12 @@ class KernelConfig:
         if not (_power_of_two(value, 64) or (isinstance(value, int) and value == 0)):
             raise ValueError(f"config.mosaic_dq_block_k: expected 0 or a power of two >= 64, "
                              f"got {value!r}")
+        if self.local_fwd_lowering not in LOCAL_FWD_LOWERINGS:
+            raise ValueError(f"config.local_fwd_lowering: expected one of "
+                             f"{LOCAL_FWD_LOWERINGS}, got {self.local_fwd_lowering!r}")
+        if not isinstance(self.strip_blocks, int) or self.strip_blocks < 0:
+            raise ValueError(f"config.strip_blocks: expected an int >= 0, got "
+                             f"{self.strip_blocks!r}")
         if self.mosaic_consumers not in (2, 3):
             raise ValueError(f"config.mosaic_consumers: expected 2 or 3, got "
                              f"{self.mosaic_consumers!r}")
@@ -244,6 +267,13 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
                                      mosaic_block_k=128,
                                      mosaic_bwd_block_q=64 if wide_head else 128,
                                      mosaic_dq_block_k=128 if wide_head and all_global else 0)
+    if (not all_global and head_dim == STRIP_HEAD_DIM and seq_len is not None
+            and seq_len >= STRIP_MIN_SEQ_LEN):
+        # the local heads' forward as strips (forward_strip.py; Triton where it does not run:
+        # other GPUs, windows over 256, segment ids). H100 run O, B=4, D=64, p=128, forward:
+        # 1 global + 15 local 0.211 vs 0.224 ms (n=8192), 1.489 vs 1.535 (n=32768); 16 local
+        # heads 0.134 vs 0.162 (n=8192); f+b unchanged (the backward is the same)
+        config = dataclasses.replace(config, local_fwd_lowering="strip")
     return config
 
 

@@ -1,0 +1,267 @@
+"""The local heads' forward for Hopper as *strips* (Mosaic GPU): each key/value block read once.
+
+The Triton forward gives every 64-row query block of a local head its own program, which
+fetches the 2-3 key/value blocks of its band from L2; at p=128 every key/value block is
+fetched by 3-4 query blocks, and that kernel runs bound by L2 bandwidth (84% in run N's
+profile, docs/kernel-notes.md). Here one program walks a *strip* of consecutive query blocks
+of one head and batch element, and a producer warpgroup streams the strip's key/value blocks
+through a ring of shared-memory slots once each:
+
+* the consumers (three warpgroups, 160 registers each; two in an interpreter that cannot run
+  four threads) take the strip's query blocks in turn (consumer c: blocks c, c + C, ...),
+  loading their own query blocks with TMA, the next one ahead into a second slot;
+* a consumer waits for each streamed block once, in stream order (the lowering tracks a
+  barrier's phase per thread, so no block may be skipped or waited twice), and releases it
+  as soon as its next query block no longer needs it; the ring holds a consumer's band, the
+  other consumers' blocks ahead of it and one prefetch: ``strip_stages`` slots;
+* outputs go out through a per-consumer shared-memory tile and TMA, as in
+  ``forward_mosaic.py``: out, lse2 (log2 domain) and, when asked, each row's max |logit|.
+
+Run O (H100, 16 local heads, D=64, p=128, B=4): 0.117 against Triton's 0.131 ms at n=8192,
+0.427 against 0.486 at n=32768; at p=50 a tie (docs/kernel-notes.md, run O). Used for the
+local heads at D=64 (``KernelConfig.local_fwd_lowering``; by default from n=4096) where
+``strip_fits``; the global heads of a mix run first on ``forward_mosaic.py`` and this kernel
+writes the local heads' rows into the same buffers (refs under ``pl.run_state``: the custom
+call aliases them, no copy).
+
+Interpret mode (CPU tests) runs it in Pallas' GPU interpreter, as ``forward_mosaic.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ls_jax.kernels.band import allowed, cdiv, kv_block_range
+from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, TILE_TRANSFORMS,
+                                                   interpreter_fits, launch, mma, produce_kv,
+                                                   program_ids, ring_slot, row_min,
+                                                   selected_heads, softmax_step, tile_iota)
+from ls_jax.kernels.pallas_gpu.plan import STRIP_BLOCK, STRIP_HEAD_DIM
+from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR, split_kv_loop
+
+STRIP_CONSUMERS = 3
+MAX_STRIP = 128  # query blocks per strip (longer strips were not measured)
+SMEM_BYTES = 232448  # an H100's shared memory per block (the kernel's launch checks it)
+# what Mosaic GPU adds to our buffers (barriers, alignment): 2,368-2,400 bytes in run O (O2-O3)
+SMEM_SPARE = 4096
+DEFAULT_SMS = 132  # an H100 SXM's SMs, when no GPU is there to ask (interpret mode)
+
+
+def strip_stages(window: int, consumers: int = STRIP_CONSUMERS) -> int:
+    """Ring slots: a consumer's band (window / block + 1 blocks), one block more per other
+    consumer (their query blocks run ahead by one each) and one prefetch."""
+    return cdiv(window, STRIP_BLOCK) + 1 + consumers + 1
+
+
+def strip_smem_bytes(window: int, head_dim: int, itemsize: int,
+                     consumers: int = STRIP_CONSUMERS) -> int:
+    """Shared memory of one program: two query slots and an output tile per consumer, the
+    key/value ring, and the consumers' lse and statistics rows."""
+    tile = STRIP_BLOCK * head_dim * itemsize
+    return (3 * consumers * tile + 2 * strip_stages(window, consumers) * tile
+            + 2 * consumers * STRIP_BLOCK * 4)
+
+
+def strip_fits(head_dim: int, windows, itemsize: int = 2) -> bool:
+    """True when the strip kernel takes these local heads (effective windows): D = 64 and a
+    ring for the widest window that fits shared memory with ``SMEM_SPARE`` left (p <= 256).
+    The caller checks ``mosaic_ring.mosaic_fits`` (dtype, Hopper)."""
+    return (head_dim == STRIP_HEAD_DIM and len(windows) > 0
+            and strip_smem_bytes(max(windows), head_dim, itemsize) <= SMEM_BYTES - SMEM_SPARE)
+
+
+def strip_length(num_blocks: int, programs_per_strip_row: int, sms: int) -> int:
+    """Query blocks per strip: the fewest strips that still give every SM a program (long
+    strips read each key/value block once; run O measured 32-128 blocks: at n=8192 with 64
+    (head, batch) pairs, 2 strips of 64 beat 4 of 32; at n=32768, 4 of 128 beat 8 of 64),
+    at most ``MAX_STRIP``."""
+    per_row = max(1, sms // max(programs_per_strip_row, 1))
+    return max(1, min(MAX_STRIP, cdiv(num_blocks, per_row)))
+
+
+def _sm_count() -> int:
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or DEFAULT_SMS) if device.platform == "gpu" \
+        else DEFAULT_SMS
+
+
+def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
+            strip, stages, consumers, seq_len, score_scale, scale, with_stats, interpret):
+    smem, (k_loaded, v_loaded, q_loaded), (k_free, v_free) = scoped
+    q_smem, k_smem, v_smem, o_smem, lse_smem, stat_smem = smem
+    b, h, window, wg = program_ids(heads, windows)
+    block = STRIP_BLOCK
+    num_blocks = seq_len // block
+    strip_first = lax.axis_index("tile") * strip
+    strip_end = jnp.minimum(strip_first + strip, num_blocks)
+    stream_first, _ = kv_block_range(strip_first, block, block, window, seq_len)
+    _, stream_end = kv_block_range(strip_end - 1, block, block, window, seq_len)
+    dtype = q_ref.dtype
+    head_dim = q_ref.shape[-1]
+    c = score_scale
+    consumer_registers, producer_registers = REGISTERS[consumers]
+
+    def slot_of(j):
+        return ring_slot(j, stream_first, stages)
+
+    @pl.when(wg < consumers)
+    def _consumer():
+        plgpu.set_max_registers(consumer_registers, action="increase")
+        # this consumer's query blocks: strip_first + wg + consumers * t, t < count
+        count = lax.div(strip_end - strip_first - wg + consumers - 1, jnp.int32(consumers))
+
+        def q_block_of(t):
+            return strip_first + wg + consumers * t
+
+        def load_q(t):
+            slot = lax.rem(t, jnp.int32(2))
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_block_of(t) * block, block), h],
+                                    q_smem.at[wg, slot], q_loaded.at[wg * 2 + slot])
+
+        pl.when(count > 0)(functools.partial(load_q, jnp.int32(0)))
+
+        def wait_block(j, _):
+            plgpu.barrier_wait(k_loaded.at[slot_of(j)])
+            plgpu.barrier_wait(v_loaded.at[slot_of(j)])
+
+        def release_block(j, _):
+            plgpu.barrier_arrive(k_free.at[slot_of(j)])
+            plgpu.barrier_arrive(v_free.at[slot_of(j)])
+
+        def row_vector(value):
+            return plgpu.layout_cast(jnp.full((block,), value, jnp.float32),
+                                     plgpu.Layout.WGMMA.reduce(1))
+
+        def query_block(t, carry):
+            waited, released = carry  # stream blocks [.., waited) waited, [.., released) freed
+            i = q_block_of(t)
+            q_first = i * block
+            slot = lax.rem(t, jnp.int32(2))
+            pl.when(t + 1 < count)(functools.partial(load_q, t + 1))
+            plgpu.barrier_wait(q_loaded.at[wg * 2 + slot])
+            q_tile = q_smem.at[wg, slot]
+            first, lo, hi, end = split_kv_loop(i, block, block, window, seq_len)
+            lax.fori_loop(waited, end, wait_block, None)
+            waited = jnp.maximum(waited, end)
+
+            def step(j, carry, masked: bool):
+                acc_QxD, m_Q, l_Q, *min_Q = carry
+                ring = slot_of(j)
+                s_QxK = mma(None, q_tile, k_smem.at[ring], transpose_b=True,
+                            interpret=interpret)
+                if masked:
+                    ok_QxK = allowed(q_first + tile_iota(block, block, 0),
+                                     j * block + tile_iota(block, block, 1), window)
+                if with_stats:  # the row minimum before the exponentials (160 registers)
+                    min_Q = row_min(s_QxK, ok_QxK if masked else None, min_Q)
+                if masked:
+                    s_QxK = jnp.where(ok_QxK, s_QxK, MASKED_SCORE)
+                p_QxK, acc_QxD, m_new_Q, l_Q = softmax_step(s_QxK, acc_QxD, m_Q, l_Q, c)
+                acc_QxD = mma(acc_QxD, p_QxK.astype(dtype), v_smem.at[ring],
+                              transpose_b=False, interpret=interpret)
+                return (acc_QxD, m_new_Q, l_Q, *min_Q)
+
+            carry = (plgpu.layout_cast(jnp.zeros((block, head_dim), jnp.float32),
+                                       plgpu.Layout.WGMMA),
+                     row_vector(MAX_FLOOR), row_vector(0.0))
+            if with_stats:
+                carry += (row_vector(-MASKED_SCORE),)
+            carry = lax.fori_loop(first, lo, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+            acc_QxD, m_Q, l_Q, *min_Q = lax.fori_loop(
+                hi, end, functools.partial(step, masked=True), carry)
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's stores read
+            o_smem.at[wg][...] = (acc_QxD * lax.broadcast_in_dim(1.0 / l_Q, acc_QxD.shape, [0])
+                                  ).astype(dtype)
+            lse_smem.at[wg][...] = m_Q + jnp.log2(l_Q)
+            if with_stats:  # max |logit| = max(max, -min) * scale; m_Q is max * scale * log2(e)
+                stat_smem.at[wg][...] = jnp.maximum(m_Q * (1.0 / LOG2_E), -min_Q[0] * scale)
+            plgpu.commit_smem()
+            rows = pl.ds(q_first, block)
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[b, rows, h])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
+            if with_stats:
+                plgpu.copy_smem_to_gmem(stat_smem.at[wg], stat_ref.at[b, h, rows])
+
+            # the blocks this consumer's next query block does not need go back to the producer
+            next_first, _ = kv_block_range(i + consumers, block, block, window, seq_len)
+            keep = jnp.minimum(jnp.where(t + 1 < count, next_first, stream_end), waited)
+            lax.fori_loop(released, keep, release_block, None)
+            return waited, jnp.maximum(released, keep)
+
+        waited, released = lax.fori_loop(0, count, query_block, (stream_first, stream_first))
+        lax.fori_loop(waited, stream_end, wait_block, None)  # every phase observed
+        lax.fori_loop(released, stream_end, release_block, None)
+        plgpu.wait_smem_to_gmem(0)
+
+    pl.when(wg == consumers)(functools.partial(
+        produce_kv, k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded), (k_free, v_free), b=b,
+        kv_head=lax.div(h, jnp.int32(group)), block_k=block, first=stream_first,
+        end=stream_end, stages=stages, registers=producer_registers))
+
+
+def forward_call_strip(plan, q, k, v, heads: tuple[int, ...], prefilled=()):
+    """The strip forward of ``heads`` (local heads; ``strip_fits`` their windows) on padded
+    inputs (Tp a multiple of ``STRIP_BLOCK``): outputs as ``forward.forward_call``'s.
+
+    prefilled: () or the (out, lse2[, stat]) of an earlier launch (the global heads'), into
+    which this one writes its heads' rows (other rows kept); without it the other heads' rows
+    are left unwritten.
+    """
+    B, Tp, H, Dp = q.shape
+    G = k.shape[2]
+    with_stats = plan.logit_stats
+    interpret = plan.interpret
+    consumers = STRIP_CONSUMERS
+    if interpret and not interpreter_fits(consumers):
+        consumers = 2  # the same results; four warpgroups would hang the interpreter here
+    assert Tp % STRIP_BLOCK == 0, Tp
+    heads, windows = selected_heads(plan, H, heads)
+    stages = strip_stages(max(windows), consumers)
+    num_blocks = Tp // STRIP_BLOCK
+    strip = plan.config.strip_blocks or strip_length(num_blocks, B * len(heads), _sm_count())
+    num_strips = cdiv(num_blocks, strip)
+    tile = plgpu.SMEM((consumers, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
+    rows = plgpu.SMEM((consumers, STRIP_BLOCK), jnp.float32)
+
+    def entry(q_ref, k_ref, v_ref, out_ref, lse_ref, *stat):
+        scratch = [
+            plgpu.SMEM((consumers, 2, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS),
+            plgpu.SMEM((stages, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS),
+            plgpu.SMEM((stages, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS),
+            tile, rows, rows if with_stats else None,
+        ]
+        body = functools.partial(
+            _kernel, q_ref, k_ref, v_ref, out_ref, lse_ref, stat[0] if with_stats else None,
+            heads=heads, windows=windows, group=H // G, strip=strip, stages=stages,
+            consumers=consumers, seq_len=Tp, score_scale=plan.scale * LOG2_E,
+            scale=plan.scale, with_stats=with_stats, interpret=interpret)
+        pl.run_scoped(
+            lambda *scoped: body(scoped), scratch,
+            (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=2 * consumers)),
+            (plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),) * 2,
+            collective_axes="wg")
+
+    def run(out_type):
+        return launch(entry, out_type, num_heads=len(heads), num_tiles=num_strips, batch=B,
+                      interpret=interpret, consumers=consumers)
+
+    if prefilled:  # write into the earlier launch's buffers (aliased, not copied)
+        def fill(refs):
+            run(())(q, k, v, *refs)
+        outs = pl.run_state(fill)(tuple(prefilled))
+    else:
+        out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                    jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)]
+        if with_stats:
+            out_type.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
+        outs = run(out_type)(q, k, v)
+    return outs[0], outs[1], outs[2] if with_stats else None

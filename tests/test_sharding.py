@@ -83,7 +83,10 @@ def test_qkv_gather_check_reads_hlo_lines():
     hlo = ("  %all-gather.1 = f32[8,48,4,8]{3,2,1,0} all-gather(%p), dimensions={0}\n"
            "  %all-gather.2 = f32[256,40]{1,0} all-gather(%w), dimensions={0}\n"
            "  %ags = (f32[2,48,16]{2,1,0}, f32[4,48,16]{2,1,0}) all-gather-start(%x)\n"
-           "  %all-reduce = f32[8,48,4,8]{3,2,1,0} all-reduce(%y)\n")
+           "  %all-reduce = f32[8,48,4,8]{3,2,1,0} all-reduce(%y)\n"
+           # a kernel's custom call, its module inline (long, with many "="): not a gather
+           "  %cc = f32[8,48,4,8]{3,2,1,0} custom-call(%q), backend_config=\""
+           + "key = value, " * 300 + "\"\n")
     found = qkv_gathers(hlo, 48, 4, 8)
     assert [line.split()[0] for line in found] == ["%all-gather.1", "%ags"]
 

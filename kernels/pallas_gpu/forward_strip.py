@@ -77,10 +77,11 @@ def strip_fits(head_dim: int, windows, itemsize: int = 2) -> bool:
 
 
 def strip_length(num_blocks: int, programs_per_strip_row: int, sms: int) -> int:
-    """Query blocks per strip: the fewest strips that still give every SM a program (long
-    strips read each key/value block once; run O measured 32-128 blocks: at n=8192 with 64
-    (head, batch) pairs, 2 strips of 64 beat 4 of 32; at n=32768, 4 of 128 beat 8 of 64),
-    at most ``MAX_STRIP``."""
+    """Query blocks per strip: each (head, batch element) row cut into as many strips as
+    keeps the programs within one wave of the SMs (at least one strip a row), strips of at
+    most ``MAX_STRIP`` blocks. Long strips read each key/value block once; run O measured
+    16-128 blocks: at n=8192 with 64 rows, 2 strips of 64 beat 4 of 32; at n=32768, 4 of
+    128 beat 8 of 64."""
     per_row = max(1, sms // max(programs_per_strip_row, 1))
     return max(1, min(MAX_STRIP, cdiv(num_blocks, per_row)))
 

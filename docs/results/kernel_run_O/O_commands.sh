@@ -1,4 +1,4 @@
-# Run O, 2026-11-27, through the device tool: O1-O9 on nvidia-h100-x1 (NVIDIA H100 80GB HBM3,
+# Run O, 2026-11-27, through the device tool: O1-O9 and O12 on nvidia-h100-x1 (NVIDIA H100 80GB HBM3,
 # driver 580.159.04), O10-O11 on nvidia-h100-x2 (two NVIDIA H100 80GB HBM3). Each call first ran:
 #   ln -sfn ../kernels ls_jax/kernels; ln -sfn ../configs ls_jax/configs; export PYTHONPATH=$PWD
 # ---- calls O1-O3: the run-N prototype, from the checkout, with
@@ -40,3 +40,5 @@ XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 python -P -m pytest -q -n 4 -m g
 timeout 120 python bench/attention.py --d 64 --check --n 8192 --p 128 --mix 1g15l --impl ours,ours_stats,cudnn_ls --reps 10
 # ---- calls O10 (hung in the HLO check, O10_..._hung.json) and O11 (after commit 27a30e6), nvidia-h100-x2
 timeout 480 python bench/scaling.py --shapes 125m --devices 1,2 --steps 30 --per-run-s 170 --budget-s 420 --out $OUT/O11_scaling_125m_h100x2.json
+# ---- call O12: cheaper edge masks (O12_strip_masks.diff applied to a copy, scratch/strip_masks.py), kernels alone
+timeout 240 python scratch/ab_masks.py     # = O12_ab_masks.py

@@ -38,7 +38,7 @@ from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMER_REGISTERS, CONSUMERS
                                                    PRODUCER_REGISTERS, TILE_TRANSFORMS,
                                                    band_loops, launch, mma, produce, produce_kv,
                                                    program_ids, ring_slot, selected_heads,
-                                                   tile_iota, tile_union)
+                                                   tile_allowed, tile_iota, tile_union)
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, split_kv_loop, split_q_loop
 
 
@@ -99,9 +99,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
             plgpu.barrier_wait(k_loaded.at[slot])
             # (the masks are made outside the accumulators' scopes, where a constant window
             # would be captured and does not lower)
-            ok_QxK = allowed(q_first + tile_iota(block_q, block_k, 0),
-                             j * block_k + tile_iota(block_q, block_k, 1),
-                             window) if masked else None
+            ok_QxK = (tile_allowed(q_first, j * block_k, block_q, block_k, window)
+                      if masked else None)
             if interpret:  # one product at a time (see ``mosaic_ring.mma``)
                 p_QxK = probabilities(mma(None, q_smem, k_block, transpose_b=True,
                                           interpret=True), ok_QxK)

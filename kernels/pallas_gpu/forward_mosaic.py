@@ -45,13 +45,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ls_jax.kernels.band import allowed, kv_block_range
+from ls_jax.kernels.band import kv_block_range
 from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, TILE_TRANSFORMS, band_loops,
                                                    interpreter_fits, launch, mma, produce_kv,
                                                    program_ids, ring_slot, row_min,
-                                                   selected_heads, softmax_step, tile_iota,
-                                                   tile_union)
-from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR, split_kv_loop
+                                                   selected_heads, softmax_carry, softmax_step,
+                                                   store_rows, tile_allowed, tile_union)
+from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, split_kv_loop
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
             block_q, block_k, stages, num_tiles, consumers, seq_len, score_scale, scale,
@@ -96,15 +96,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
 
         ranges = split_kv_loop(q_block, block_q, block_k, window, seq_len)
 
-        def row_vector(value):
-            return plgpu.layout_cast(jnp.full((block_q,), value, jnp.float32),
-                                     plgpu.Layout.WGMMA.reduce(1))
-
-        carry = (plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
-                                   plgpu.Layout.WGMMA),
-                 row_vector(MAX_FLOOR), row_vector(0.0))
-        if with_stats:
-            carry += (row_vector(-MASKED_SCORE),)
+        carry = softmax_carry(block_q, head_dim, with_stats)
 
         def skip(j, _):
             """A block of another consumer's range: release it, keep the turn order."""
@@ -135,8 +127,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
             s_QxK = pl.run_scoped(scores, plgpu.ACC((block_q, block_k), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
             if masked:
-                ok_QxK = allowed(q_first + tile_iota(block_q, block_k, 0),
-                                 j * block_k + tile_iota(block_q, block_k, 1), window)
+                ok_QxK = tile_allowed(q_first, j * block_k, block_q, block_k, window)
             if with_stats and early_min:
                 min_Q = row_min(s_QxK, ok_QxK if masked else None, min_Q)
             if masked:
@@ -161,20 +152,8 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
         if ping_pong:
             pl.when(wg == 0)(take_turn)
 
-        acc_QxD, m_Q, l_Q, *min_Q = carry
-        inv_l_Q = 1.0 / l_Q
-        q_smem[...] = (acc_QxD * lax.broadcast_in_dim(inv_l_Q, acc_QxD.shape, [0])).astype(dtype)
-        lse_smem = lse_smem2.at[wg]
-        lse_smem[...] = m_Q + jnp.log2(l_Q)
-        if with_stats:  # max |logit| = max(max, -min) * scale; m_Q is max * scale * log2(e)
-            stat_smem = stat_smem2.at[wg]
-            stat_smem[...] = jnp.maximum(m_Q * (1.0 / LOG2_E), -min_Q[0] * scale)
-        plgpu.commit_smem()
-        rows = pl.ds(q_first, block_q)
-        plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, rows, h])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
-        if with_stats:
-            plgpu.copy_smem_to_gmem(stat_smem, stat_ref.at[b, h, rows])
+        store_rows(carry, q_smem, lse_smem2.at[wg], stat_smem2.at[wg] if with_stats else None,
+                   out_ref, lse_ref, stat_ref, b=b, h=h, q_first=q_first, scale=scale)
         plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg == consumers)(functools.partial(

@@ -37,13 +37,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ls_jax.kernels.band import allowed, cdiv, kv_block_range
+from ls_jax.kernels.band import cdiv, kv_block_range
 from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, TILE_TRANSFORMS,
                                                    interpreter_fits, launch, mma, produce_kv,
                                                    program_ids, ring_slot, row_min,
-                                                   selected_heads, softmax_step, tile_iota)
+                                                   selected_heads, softmax_carry, softmax_step,
+                                                   store_rows, tile_allowed)
 from ls_jax.kernels.pallas_gpu.plan import STRIP_BLOCK, STRIP_HEAD_DIM
-from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR, split_kv_loop
+from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, split_kv_loop
 
 STRIP_CONSUMERS = 3
 MAX_STRIP = 128  # query blocks per strip (longer strips were not measured)
@@ -135,10 +136,6 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
             plgpu.barrier_arrive(k_free.at[slot_of(j)])
             plgpu.barrier_arrive(v_free.at[slot_of(j)])
 
-        def row_vector(value):
-            return plgpu.layout_cast(jnp.full((block,), value, jnp.float32),
-                                     plgpu.Layout.WGMMA.reduce(1))
-
         def query_block(t, carry):
             waited, released = carry  # stream blocks [.., waited) waited, [.., released) freed
             i = q_block_of(t)
@@ -157,8 +154,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
                 s_QxK = mma(None, q_tile, k_smem.at[ring], transpose_b=True,
                             interpret=interpret)
                 if masked:
-                    ok_QxK = allowed(q_first + tile_iota(block, block, 0),
-                                     j * block + tile_iota(block, block, 1), window)
+                    ok_QxK = tile_allowed(q_first, j * block, block, block, window)
                 if with_stats:  # the row minimum before the exponentials (160 registers)
                     min_Q = row_min(s_QxK, ok_QxK if masked else None, min_Q)
                 if masked:
@@ -168,28 +164,15 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
                               transpose_b=False, interpret=interpret)
                 return (acc_QxD, m_new_Q, l_Q, *min_Q)
 
-            carry = (plgpu.layout_cast(jnp.zeros((block, head_dim), jnp.float32),
-                                       plgpu.Layout.WGMMA),
-                     row_vector(MAX_FLOOR), row_vector(0.0))
-            if with_stats:
-                carry += (row_vector(-MASKED_SCORE),)
+            carry = softmax_carry(block, head_dim, with_stats)
             carry = lax.fori_loop(first, lo, functools.partial(step, masked=True), carry)
             carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
-            acc_QxD, m_Q, l_Q, *min_Q = lax.fori_loop(
-                hi, end, functools.partial(step, masked=True), carry)
+            carry = lax.fori_loop(hi, end, functools.partial(step, masked=True), carry)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's stores read
-            o_smem.at[wg][...] = (acc_QxD * lax.broadcast_in_dim(1.0 / l_Q, acc_QxD.shape, [0])
-                                  ).astype(dtype)
-            lse_smem.at[wg][...] = m_Q + jnp.log2(l_Q)
-            if with_stats:  # max |logit| = max(max, -min) * scale; m_Q is max * scale * log2(e)
-                stat_smem.at[wg][...] = jnp.maximum(m_Q * (1.0 / LOG2_E), -min_Q[0] * scale)
-            plgpu.commit_smem()
-            rows = pl.ds(q_first, block)
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[b, rows, h])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, rows])
-            if with_stats:
-                plgpu.copy_smem_to_gmem(stat_smem.at[wg], stat_ref.at[b, h, rows])
+            store_rows(carry, o_smem.at[wg], lse_smem.at[wg],
+                       stat_smem.at[wg] if with_stats else None, out_ref, lse_ref, stat_ref,
+                       b=b, h=h, q_first=q_first, scale=scale)
 
             # the blocks this consumer's next query block does not need go back to the producer
             next_first, _ = kv_block_range(i + consumers, block, block, window, seq_len)

@@ -29,15 +29,16 @@ from jax._src.state import types as state_types
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ls_jax.kernels.pallas_gpu.tiles import MASKED_SCORE, MAX_FLOOR
+from ls_jax.kernels.band import allowed
+from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR
 
 CONSUMERS = 2
 # registers per thread after ``plgpu.set_max_registers``, by number of consumers: the producer
 # gives up what the consumers take; (2 * 232 + 40) * 128 threads = 64512 of the SM's 65536,
 # and (3 * 160 + 24) * 128 = 64512 with three consumers (the forward at D <= 64). The
 # warpgroups share what the program was launched with (``launch_registers``): a budget above
-# it leaves the consumers' increase waiting for registers no one gives back (the likely cause of
-# run N's hang: four consumers at 120, 4 * 120 + 24 > 5 * 96; not yet rerun at 112)
+# it leaves the consumers' increase waiting for registers no one gives back (run N's hang:
+# four consumers at 120, 4 * 120 + 24 > 5 * 96; at 112 they ran, run O)
 REGISTERS = {2: (232, 40), 3: (160, 24)}
 CONSUMER_REGISTERS, PRODUCER_REGISTERS = REGISTERS[CONSUMERS]
 WARPGROUP_THREADS = 128
@@ -234,6 +235,47 @@ def tile_iota(rows: int, cols: int, dimension: int):
     """int32 [rows, cols] iota along ``dimension`` in the wgmma accumulator layout."""
     return plgpu.broadcasted_iota(jnp.int32, (rows, cols), dimension,
                                   layout=plgpu.Layout.WGMMA)
+
+
+def tile_allowed(q_first, k_first, rows: int, cols: int, window):
+    """bool [rows, cols] in the wgmma accumulator layout: ``band.allowed`` on the tile of
+    queries q_first + r and keys k_first + c (``band.tile_allowed_QxK``'s Mosaic twin)."""
+    return allowed(q_first + tile_iota(rows, cols, 0), k_first + tile_iota(rows, cols, 1),
+                   window)
+
+
+def softmax_carry(rows: int, head_dim: int, with_stats: bool):
+    """The online softmax's initial carry for ``rows`` query rows in the wgmma layouts: the
+    accumulator (zeros), the running max (floored), the row sum, and with the statistics the
+    running row minimum of the scores."""
+    def row_vector(value):
+        return plgpu.layout_cast(jnp.full((rows,), value, jnp.float32),
+                                 plgpu.Layout.WGMMA.reduce(1))
+
+    carry = (plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+             row_vector(MAX_FLOOR), row_vector(0.0))
+    return carry + (row_vector(-MASKED_SCORE),) if with_stats else carry
+
+
+def store_rows(carry, o_smem, lse_smem, stat_smem, out_ref, lse_ref, stat_ref, *, b, h,
+               q_first, scale: float):
+    """A finished query block of the Mosaic forwards out to HBM through shared memory: out
+    (the accumulator over the row sum), lse2 and, when the carry holds the row minimum,
+    max |logit| = max(max, -min) * scale (the running max is max * scale * log2(e)). The
+    caller waits for the copies (``plgpu.wait_smem_to_gmem``), and before it for earlier
+    copies out of the same shared memory."""
+    acc_QxD, m_Q, l_Q, *min_Q = carry
+    o_smem[...] = (acc_QxD * lax.broadcast_in_dim(1.0 / l_Q, acc_QxD.shape, [0])
+                   ).astype(o_smem.dtype)
+    lse_smem[...] = m_Q + jnp.log2(l_Q)
+    if min_Q:
+        stat_smem[...] = jnp.maximum(m_Q * (1.0 / LOG2_E), -min_Q[0] * scale)
+    plgpu.commit_smem()
+    rows = pl.ds(q_first, acc_QxD.shape[0])
+    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[b, rows, h])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
+    if min_Q:
+        plgpu.copy_smem_to_gmem(stat_smem, stat_ref.at[b, h, rows])
 
 
 def softmax_step(s_QxK, acc_QxD, m_Q, l_Q, c):

@@ -42,3 +42,7 @@ timeout 120 python bench/attention.py --d 64 --check --n 8192 --p 128 --mix 1g15
 timeout 480 python bench/scaling.py --shapes 125m --devices 1,2 --steps 30 --per-run-s 170 --budget-s 420 --out $OUT/O11_scaling_125m_h100x2.json
 # ---- call O12: cheaper edge masks (O12_strip_masks.diff applied to a copy, scratch/strip_masks.py), kernels alone
 timeout 240 python scratch/ab_masks.py     # = O12_ab_masks.py
+# ---- call O13 (nvidia-h100-x1): after the review mend (mosaic_ring.tile_allowed / softmax_carry /
+# store_rows shared by the Mosaic kernels), every GPU test and a forward sanity row
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 400 python -P -m pytest -q -n 4 -m gpu tests/test_pallas_gpu.py tests/test_split.py tests/test_dispatch.py tests/test_generate.py tests/test_decode_kernel.py
+timeout 100 python bench/attention.py --d 64 --check --no-bwd --n 8192 --p 128 --mix 1g15l,global --impl ours,ours_stats --reps 10

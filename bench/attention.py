@@ -79,7 +79,8 @@ def parse_config(text: str, dtype, head_dim: int, windows, seq_len: int) -> Kern
         key, value = item.split("=")
         if key not in fields:
             raise ValueError(f"--cfg: unknown field {key!r}; expected one of {sorted(fields)}")
-        updates[key] = int(value) if value.isdigit() else value
+        flag = {"true": True, "false": False}.get(value.lower())
+        updates[key] = int(value) if value.isdigit() else value if flag is None else flag
     return dataclasses.replace(base, **updates)
 
 

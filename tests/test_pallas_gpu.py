@@ -6,6 +6,7 @@ The block-geometry helpers that decide which tiles are loaded are checked agains
 """
 
 import dataclasses
+import functools
 import warnings
 import zlib
 
@@ -336,10 +337,11 @@ def test_gpu_float32_matches_reference():
 # The Hopper forward (``forward_mosaic.py``): the Mosaic GPU kernel, with the Triton backward.
 
 def mosaic_config(block_q=64, block_k=64, stages=2, lowering="mosaic", bwd="triton",
-                  bwd_block_q=64, consumers=2, strip=None):
+                  bwd_block_q=64, consumers=2, strip=None, fused_dq=False):
     """strip: None keeps the local heads' forward on Triton; else strips of that many query
-    blocks (0: the kernel's choice)."""
+    blocks (0: the kernel's choice). fused_dq: dQ in the Mosaic dK/dV kernel."""
     return KernelConfig(fwd_lowering=lowering, bwd_lowering=bwd, mosaic_block_q=block_q,
+                        mosaic_fused_dq=fused_dq,
                         mosaic_block_k=block_k, mosaic_stages=stages,
                         mosaic_bwd_block_q=bwd_block_q, mosaic_consumers=consumers,
                         local_fwd_lowering="triton" if strip is None else "strip",
@@ -503,8 +505,11 @@ class TestMosaicInterpret:
         # the same with every head's delta from one XLA pass (by default the Triton dQ
         # kernel computes the local heads' delta and the pass only the global heads')
         ("mixed-xladelta", 3, (20, None, 5)),
+        # dQ in the dK/dV kernel (in the interpreter each key block's share in its own slice)
+        ("mosaic-fused", 1, (None, 20, 130)),   # GQA too
+        ("mixed-fused", 3, (None, 7, None)),
     ], ids=["bwd-triton", "bwd-mosaic", "bwd-mosaic-mqa", "bwd-mosaic-q128dq128", "bwd-mixed",
-            "bwd-mixed-xladelta"])
+            "bwd-mixed-xladelta", "bwd-mosaic-fused-mqa", "bwd-mixed-fused"])
     def test_gradients_match_reference(self, bwd, Hkv, windows):
         B, T, Hq, D = 1, 200, 3, 64
         q, k, v, do = random_inputs(np.random.default_rng(3), B, T, Hq, Hkv, D, jnp.bfloat16)
@@ -515,6 +520,8 @@ class TestMosaicInterpret:
             config = dataclasses.replace(config, mosaic_dq_block_k=128, mosaic_bwd_block_q=128)
         if bwd.endswith("xladelta"):
             config = dataclasses.replace(config, delta_in_kernel=False)
+        if bwd.endswith("fused"):
+            config = dataclasses.replace(config, mosaic_fused_dq=True)
 
         def ours(q, k, v):
             out, _ = pallas_gpu_attention(q, k, v, windows, config=config, interpret=True)
@@ -543,6 +550,7 @@ class TestMosaicInterpret:
                            (dict(mosaic_stages=1), "mosaic_stages"),
                            (dict(mosaic_dq_block_k=96), "mosaic_dq_block_k"),
                            (dict(mosaic_consumers=4), "mosaic_consumers"),
+                           (dict(mosaic_fused_dq=1), "mosaic_fused_dq"),
                            (dict(local_fwd_lowering="mosaic"), "local_fwd_lowering"),
                            (dict(strip_blocks=-1), "strip_blocks"),
                            (dict(fwd_lowering="cuda"), "fwd_lowering")]:
@@ -568,7 +576,10 @@ def test_row_delta_of_some_heads():
     (64, (None, 1, 128, None), dict(mosaic_bwd_block_q=128)),   # masks, 128-row bwd blocks
     (64, (None,) * 2, dict(mosaic_consumers=3, mosaic_bwd_block_q=128)),  # constant window
     (128, (None, 50), dict(mosaic_block_k=128, mosaic_dq_block_k=128)),
-], ids=["d64-mixed", "d64-global-3consumers", "d128"])
+    # (the fused kernel takes 64-row query blocks whatever the config: 128 would not fit)
+    (64, (None, 1, 128, None), dict(mosaic_bwd_block_q=128, mosaic_fused_dq=True)),
+    (128, (None, 50), dict(mosaic_fused_dq=True)),
+], ids=["d64-mixed", "d64-global-3consumers", "d128", "d64-fused-dq", "d128-fused-dq"])
 def test_mosaic_kernels_lower_for_the_gpu_on_cpu(D, windows, config):
     """The GPU code paths that interpret mode does not run (register-operand and overlapped
     wgmma in the backward, ``mosaic_ring.mma`` on the GPU) lowered to Mosaic GPU's module on
@@ -585,12 +596,17 @@ def test_mosaic_kernels_lower_for_the_gpu_on_cpu(D, windows, config):
                      logit_stats=True, interpret=False)
     x = jax.ShapeDtypeStruct((1, plan.seq_len_padded, H, D), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((1, H, plan.seq_len_padded), jnp.float32)
+    fused = plan.config.mosaic_fused_dq
     for kernel, args in [(forward_call_mosaic, (x, x, x)),
                          (dq_call_mosaic, (x, x, x, x, rows, rows)),
-                         (dkdv_call_mosaic, (x, x, x, x, rows, rows))]:
+                         (functools.partial(dkdv_call_mosaic, fused_dq=fused),
+                          (x, x, x, x, rows, rows))]:
         lowered = jax.jit(lambda *a, kernel=kernel: kernel(plan, *a)).trace(*args).lower(
             lowering_platforms=("cuda",))
-        assert "mosaic_gpu" in lowered.as_text(), kernel.__name__
+        text = lowered.as_text()
+        assert "mosaic_gpu" in text, kernel
+        if fused and getattr(kernel, "func", None) is dkdv_call_mosaic:  # dk, dv, dQ acc.
+            assert text.count("output_operand_alias<") == 3
 
 
 def test_strip_forward_lowers_for_the_gpu_on_cpu():
@@ -638,6 +654,14 @@ MOSAIC_GPU_CASES = [
     (2, 2048, 8, 4, 64, (None, 128, None, 50, 128, 256, 1, 2048),
      (64, 128, 2, "mixed", "triton", 128, 3, 0)),
     (1, 3000, 4, 2, 64, (128, 50, 1, 200), (64, 128, 2, "mixed", "mixed", 128, 2, 5)),
+    # dQ fused into the dK/dV kernel (TMA reductions): every head on Mosaic with GQA and
+    # padded T, mixed, and D=128 (one outgoing tile per consumer)
+    (1, 3000, 8, 2, 64, (None, 50, 512, 1, None, 128, 3000, 7),
+     (64, 128, 2, "mosaic", "mosaic", 64, 2, None, True)),
+    (2, 2048, 8, 8, 64, (None, 128, None, 50, 128, 256, 1, 2048),
+     (64, 128, 2, "mixed", "mixed", 64, 3, None, True)),
+    (1, 2048, 4, 4, 128, (None, None, 300, None), (64, 128, 2, "mosaic", "mosaic", 64, 2, None,
+                                                   True)),
 ]
 
 
@@ -669,3 +693,22 @@ def test_gpu_mosaic_forward_matches_reference(case):
     want = jax.grad(ref, (0, 1, 2))(*f32[:3])
     for name, g, w in zip(("dq", "dk", "dv"), got, want):
         assert rel_err(g, w) < 1e-2, name
+
+
+def test_benchmark_cfg_overrides_take_ints_strings_and_flags(monkeypatch):
+    """bench/attention.py --cfg: digits become ints, true/false bools, the rest strings."""
+    import importlib.util
+    import pathlib
+
+    folder = pathlib.Path(__file__).resolve().parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(folder))  # the script imports its neighbour hardware.py
+    spec = importlib.util.spec_from_file_location("bench_attention", folder / "attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    with warnings.catch_warnings():  # (it sets warning filters as it loads)
+        spec.loader.exec_module(bench)
+    config = bench.parse_config("mosaic_fused_dq=true,mosaic_bwd_block_q=64,"
+                                "local_fwd_lowering=triton", jnp.bfloat16, 64, (None,) * 4, 8192)
+    assert config.mosaic_fused_dq is True and config.mosaic_bwd_block_q == 64
+    assert config.local_fwd_lowering == "triton"
+    assert bench.parse_config("mosaic_fused_dq=False", jnp.bfloat16, 64, (None,) * 4,
+                              8192).mosaic_fused_dq is False

@@ -293,10 +293,15 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
     if lowering != "triton" and mosaic_fits(q.dtype, Dp, segment_ids is not None,
                                             plan.interpret):
         wide = plan.global_heads()
+        fused = plan.config.mosaic_fused_dq
         if lowering == "mosaic" or len(wide) == H:
             delta = row_delta(out, do)
-            dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta)
-            dk, dv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta)
+            if fused:
+                dk, dv, dq = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, fused_dq=True)
+                dq = (dq * plan.scale).astype(q.dtype)
+            else:
+                dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta)
+                dk, dv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta)
             if G < H:  # sum each group's query heads
                 dk, dv = (x.reshape(B, Tp, G, H // G, Dp).astype(jnp.float32).sum(axis=3)
                           .astype(k.dtype) for x in (dk, dv))
@@ -307,8 +312,14 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
             # the Triton dQ kernel the local heads' (from its O and dO tiles)
             in_kernel = plan.config.delta_in_kernel
             delta = row_delta(out, do, heads=wide if in_kernel else None)
-            dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
-            dkdv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
+            if fused:  # the global heads' dQ into a zero buffer the Triton kernel fills
+                *dkdv, dq_wide = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide,
+                                                  fused_dq=True)
+                dq = jnp.zeros(q.shape, q.dtype).at[:, :, jnp.asarray(wide)].set(
+                    (dq_wide * plan.scale).astype(q.dtype))
+            else:
+                dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
+                dkdv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
             dq, delta = dq_call(plan, q, k, v, segment_ids, do, out, lse2,
                                 delta=None if in_kernel else delta, prefilled=dq, heads=local)
             dk, dv = dkdv_call(plan, q, k, v, segment_ids, do, lse2, delta, prefilled=dkdv,

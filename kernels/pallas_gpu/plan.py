@@ -96,7 +96,12 @@ class KernelConfig:
     bwd_lowering: the same choice for the backward ("mixed" needs one kv head per query head,
     else the Triton kernels run every head): ``backward_mosaic.py`` with blocks
     mosaic_bwd_block_q x mosaic_bwd_block_k (a consumer owns one block of its side);
-    mosaic_dq_block_k: the dQ kernel's streamed key blocks (0: mosaic_bwd_block_k).
+    mosaic_dq_block_k: the dQ kernel's streamed key blocks (0: mosaic_bwd_block_k);
+    mosaic_fused_dq: dQ computed in the Mosaic dK/dV kernel, which then streams 64-row query
+    blocks (float32 TMA reductions, five products per tile instead of seven; dQ is not
+    bit-reproducible: the additions' order varies), instead of its own kernel. Off by
+    default; on H100 6.6-8.9% faster f+b with every head global at D=64, slower in LS mixes
+    and at D=128 (run P, docs/kernel-notes.md).
     """
 
     fwd_block_q: int = 64
@@ -129,6 +134,7 @@ class KernelConfig:
     mosaic_bwd_block_q: int = 64
     mosaic_bwd_block_k: int = 64
     mosaic_dq_block_k: int = 0
+    mosaic_fused_dq: bool = False
     local_fwd_lowering: str = "triton"
     strip_blocks: int = 0
 
@@ -178,6 +184,9 @@ class KernelConfig:
         if not isinstance(self.strip_blocks, int) or self.strip_blocks < 0:
             raise ValueError(f"config.strip_blocks: expected an int >= 0, got "
                              f"{self.strip_blocks!r}")
+        if not isinstance(self.mosaic_fused_dq, bool):
+            raise ValueError(f"config.mosaic_fused_dq: expected a bool, got "
+                             f"{self.mosaic_fused_dq!r}")
         if self.mosaic_consumers not in (2, 3):
             raise ValueError(f"config.mosaic_consumers: expected 2 or 3, got "
                              f"{self.mosaic_consumers!r}")

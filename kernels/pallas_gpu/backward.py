@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -312,10 +313,10 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
             # the Triton dQ kernel the local heads' (from its O and dO tiles)
             in_kernel = plan.config.delta_in_kernel
             delta = row_delta(out, do, heads=wide if in_kernel else None)
-            if fused:  # the global heads' dQ into a zero buffer the Triton kernel fills
+            if fused:  # the global heads' dQ into a buffer the Triton kernel fills
                 *dkdv, dq_wide = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide,
                                                   fused_dq=True)
-                dq = jnp.zeros(q.shape, q.dtype).at[:, :, jnp.asarray(wide)].set(
+                dq = lax.empty(q.shape, q.dtype).at[:, :, jnp.asarray(wide)].set(
                     (dq_wide * plan.scale).astype(q.dtype))
             else:
                 dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)

@@ -23,8 +23,9 @@ With ``KernelConfig.mosaic_fused_dq`` the dK/dV kernel also computes dQ (FA3's w
 step stores dS^T to shared memory while dK runs, ``dS . K`` reads it there (wgmma with a
 transposed A), and the tile goes out through shared memory as a TMA reduction (add) into a
 float32 accumulator, so dQ's additions land in no fixed order (not bit-reproducible). Five
-products per tile instead of the two kernels' seven: 6.6-8.9% faster f+b with every head
-global at D=64 on an H100, slower in LS mixes and at D=128 (spills), run P; off by default.
+products per tile instead of the two kernels' seven: 1.05-1.09x the f+b with every head
+global at D=64 on an H100, 1.02x in long LS mixes, half as fast at D=128 (spills), run P; off
+by default.
 
 ``delta = rowsum(O * dO)`` comes from the caller (one XLA pass). ``heads`` restricts a call
 to some query heads (the others' rows are left unwritten, for the Triton kernels to fill).
@@ -398,9 +399,10 @@ def dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None, *, fused_dq: bo
     shape = jax.ShapeDtypeStruct((B, Tp, H, Dp), k.dtype)
     if not fused_dq:
         return run([shape, shape])(q, k, v, do, lse2, delta)
-    # the accumulator starts at zero and the kernel adds into it (a ref under
-    # ``pl.run_state``: an aliased operand of the custom call); in interpret mode each key
-    # block has its own slice, summed here
+    # the buffers go in as refs under ``pl.run_state`` (aliased operands of the custom call):
+    # dk and dv uninitialised (``lax.empty``: no memset on a GPU; the kernel writes every row
+    # of its heads), the accumulator zeros that the kernel adds into; in interpret mode each
+    # key block has its own slice of it, summed here
     acc_shape = (B, Tp, len(heads), Dp)
     if plan.interpret:
         acc_shape = (B, Tp // bk) + acc_shape[1:]
@@ -408,7 +410,7 @@ def dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None, *, fused_dq: bo
     def fill(refs):
         run(())(q, k, v, do, lse2, delta, *refs)
 
-    dk, dv, acc = pl.run_state(fill)((jnp.zeros(shape.shape, k.dtype),
-                                      jnp.zeros(shape.shape, k.dtype),
+    dk, dv, acc = pl.run_state(fill)((lax.empty(shape.shape, k.dtype),
+                                      lax.empty(shape.shape, k.dtype),
                                       jnp.zeros(acc_shape, jnp.float32)))
     return dk, dv, acc.sum(axis=1) if plan.interpret else acc

@@ -100,8 +100,8 @@ class KernelConfig:
     mosaic_fused_dq: dQ computed in the Mosaic dK/dV kernel, which then streams 64-row query
     blocks (float32 TMA reductions, five products per tile instead of seven; dQ is not
     bit-reproducible: the additions' order varies), instead of its own kernel. Off by
-    default; on H100 6.6-8.9% faster f+b with every head global at D=64, slower in LS mixes
-    and at D=128 (run P, docs/kernel-notes.md).
+    default; on an H100 1.03-1.09x the f+b with every head global at D=64, 1.02x in long LS
+    mixes, half as fast at D=128 (run P, docs/kernel-notes.md).
     """
 
     fwd_block_q: int = 64

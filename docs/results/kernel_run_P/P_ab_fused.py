@@ -1,4 +1,4 @@
-# Run P, calls P4-P5 (and P1 in its first version): f+b A/B of dQ fused into the Mosaic dK/dV kernel against the default; usage: P_ab_fused.py CASES REPS VARIANTS
+# Run P, calls P4-P5 and P8 (and P1 in its first version): f+b A/B of dQ fused into the Mosaic dK/dV kernel against the default; usage: P_ab_fused.py CASES REPS VARIANTS
 """Run P: dQ fused into the Mosaic dK/dV kernel (TMA reduce-add), vs the separate dQ kernel (the default), f+b, interleaved."""
 import sys, time, dataclasses
 import numpy as np, jax, jax.numpy as jnp

@@ -19,3 +19,7 @@ timeout 240 python scratch/ab_fused.py g16_d64_8k,g16_d128_8k,g16_d64_32k 6 sep,
 # ---- calls P6-P7: through the benchmark (final code)
 timeout 330 python bench/attention.py --d 64 --n 8192,32768 --p 128 --mix global --impl ours,cudnn_ls --check --reps 10 --cfg "" --cfg mosaic_fused_dq=true      # P6
 timeout 300 python bench/attention.py --d 64 --n 8192,32768 --p 128 --mix global --impl ours,cudnn_causal --check --reps 10 --cfg "" --cfg mosaic_fused_dq=true  # P7
+# ---- call P8: final code (dk, dv and a mix's dQ buffer from lax.empty, not zeros)
+timeout 230 python scratch/ab_fused.py 1g15l_d64_32k,2g14l_d64_16k,g16_d64_8k 6 sep,fused
+# ---- call P9: the three fused GPU cases on the final code (device memory poisoned first, as every GPU case)
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 220 python -P -m pytest -q -n 3 -m gpu tests/test_pallas_gpu.py -k "True"

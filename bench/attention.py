@@ -79,8 +79,10 @@ def parse_config(text: str, dtype, head_dim: int, windows, seq_len: int) -> Kern
         key, value = item.split("=")
         if key not in fields:
             raise ValueError(f"--cfg: unknown field {key!r}; expected one of {sorted(fields)}")
-        flag = {"true": True, "false": False}.get(value.lower())
-        updates[key] = int(value) if value.isdigit() else value if flag is None else flag
+        if value.isdigit():
+            updates[key] = int(value)
+        else:  # true/false are flags, anything else a string
+            updates[key] = {"true": True, "false": False}.get(value.lower(), value)
     return dataclasses.replace(base, **updates)
 
 

@@ -299,7 +299,6 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
             delta = row_delta(out, do)
             if fused:
                 dk, dv, dq = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, fused_dq=True)
-                dq = (dq * plan.scale).astype(q.dtype)
             else:
                 dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta)
                 dk, dv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta)
@@ -316,8 +315,7 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
             if fused:  # the global heads' dQ into a buffer the Triton kernel fills
                 *dkdv, dq_wide = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide,
                                                   fused_dq=True)
-                dq = lax.empty(q.shape, q.dtype).at[:, :, jnp.asarray(wide)].set(
-                    (dq_wide * plan.scale).astype(q.dtype))
+                dq = lax.empty(q.shape, q.dtype).at[:, :, jnp.asarray(wide)].set(dq_wide)
             else:
                 dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
                 dkdv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)

@@ -43,11 +43,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import allowed, kv_block_range, q_block_range
 from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMER_REGISTERS, CONSUMERS,
-                                                   F32_TRANSFORMS,
-                                                   PRODUCER_REGISTERS, TILE_TRANSFORMS,
-                                                   band_loops, launch, mma, produce, produce_kv,
-                                                   program_ids, ring_slot, selected_heads,
-                                                   tile_allowed, tile_iota, tile_union)
+                                                   F32_TRANSFORMS, PRODUCER_REGISTERS,
+                                                   TILE_TRANSFORMS, band_loops, launch, mma,
+                                                   produce, produce_kv, program_ids, ring_slot,
+                                                   run_into, selected_heads, tile_allowed,
+                                                   tile_iota, tile_union, zero_tile)
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, split_kv_loop, split_q_loop
 
 FUSED_BLOCK_Q = 64  # the fused kernel's streamed query blocks, whatever mosaic_bwd_block_q
@@ -146,8 +146,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
             plgpu.barrier_arrive(k_free.at[slot])
             return dq_QxD
 
-        dq_QxD = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
-                                   plgpu.Layout.WGMMA)
+        dq_QxD = zero_tile(block_q, head_dim)
         dq_QxD = band_loops(union_first, union_end, ranges, skip, step, dq_QxD)
         q_smem[...] = (dq_QxD * scale).astype(dtype)
         plgpu.commit_smem()
@@ -283,9 +282,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                     if fused:
                         plgpu.wgmma(refs[2], ds_smem.transpose((1, 0)), k_smem)
 
-                inits = grads + ((plgpu.layout_cast(
-                    jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA),)
-                    if fused else ())
+                inits = grads + ((zero_tile(block_q, head_dim),) if fused else ())
                 grads = pl.run_state(accumulate)(tuple(map(plgpu.ACC.init, inits)))
             plgpu.barrier_arrive(free.at[slot])
             if fused:
@@ -293,8 +290,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                 grads = grads[:2]
             return grads
 
-        zeros = plgpu.layout_cast(jnp.zeros((block_k, head_dim), jnp.float32),
-                                  plgpu.Layout.WGMMA)
+        zeros = zero_tile(block_k, head_dim)
         dk_KxD, dv_KxD = band_loops(union_first, union_end, ranges, skip, step, (zeros, zeros))
         k_smem[...] = (dk_KxD * scale).astype(dtype)
         v_smem[...] = dv_KxD.astype(dtype)
@@ -364,8 +360,7 @@ def dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None, *, fused_dq: bo
     fused_dq: also dQ, in the same pass (``ds . K`` of every tile added into a float32
     accumulator by TMA reductions, FA3's way: five products per tile instead of the two
     kernels' seven; the order of the additions varies from run to run, so dQ is not
-    bit-reproducible): returns (dk, dv, dq_unscaled), dq_unscaled float32 [B, Tp, len(heads),
-    Dp], to be multiplied by ``plan.scale``."""
+    bit-reproducible): returns (dk, dv, dq), dq [B, Tp, len(heads), Dp] in q's dtype."""
     B, Tp, H, Dp = q.shape
     heads, static = _static(plan, q, k, heads)
     if fused_dq:  # 64-row query blocks: with 128 the consumers spill (run P: twice as slow)
@@ -399,18 +394,16 @@ def dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None, *, fused_dq: bo
     shape = jax.ShapeDtypeStruct((B, Tp, H, Dp), k.dtype)
     if not fused_dq:
         return run([shape, shape])(q, k, v, do, lse2, delta)
-    # the buffers go in as refs under ``pl.run_state`` (aliased operands of the custom call):
-    # dk and dv uninitialised (``lax.empty``: no memset on a GPU; the kernel writes every row
-    # of its heads), the accumulator zeros that the kernel adds into; in interpret mode each
-    # key block has its own slice of it, summed here
+    # the kernel writes into its buffers (``run_into``: aliased, not copied): dk and dv
+    # uninitialised (``lax.empty``: no memset on a GPU; the kernel writes every row of its
+    # heads), the accumulator zeros that it adds into; in interpret mode each key block has
+    # its own slice of it, summed here
     acc_shape = (B, Tp, len(heads), Dp)
     if plan.interpret:
         acc_shape = (B, Tp // bk) + acc_shape[1:]
-
-    def fill(refs):
-        run(())(q, k, v, do, lse2, delta, *refs)
-
-    dk, dv, acc = pl.run_state(fill)((lax.empty(shape.shape, k.dtype),
-                                      lax.empty(shape.shape, k.dtype),
-                                      jnp.zeros(acc_shape, jnp.float32)))
-    return dk, dv, acc.sum(axis=1) if plan.interpret else acc
+    dk, dv, acc = run_into(run(()), (q, k, v, do, lse2, delta),
+                           (lax.empty(shape.shape, k.dtype), lax.empty(shape.shape, k.dtype),
+                            jnp.zeros(acc_shape, jnp.float32)))
+    if plan.interpret:
+        acc = acc.sum(axis=1)
+    return dk, dv, (acc * plan.scale).astype(q.dtype)

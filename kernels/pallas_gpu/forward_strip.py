@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ls_jax.kernels.band import cdiv, kv_block_range
 from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, TILE_TRANSFORMS,
                                                    interpreter_fits, launch, mma, produce_kv,
-                                                   program_ids, ring_slot, row_min,
+                                                   program_ids, ring_slot, row_min, run_into,
                                                    selected_heads, softmax_carry, softmax_step,
                                                    store_rows, tile_allowed)
 from ls_jax.kernels.pallas_gpu.plan import STRIP_BLOCK, STRIP_HEAD_DIM
@@ -239,9 +239,7 @@ def forward_call_strip(plan, q, k, v, heads: tuple[int, ...], prefilled=()):
                       interpret=interpret, consumers=consumers)
 
     if prefilled:  # write into the earlier launch's buffers (aliased, not copied)
-        def fill(refs):
-            run(())(q, k, v, *refs)
-        outs = pl.run_state(fill)(tuple(prefilled))
+        outs = run_into(run(()), (q, k, v), prefilled)
     else:
         out_type = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                     jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)]

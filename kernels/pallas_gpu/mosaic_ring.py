@@ -109,6 +109,15 @@ def launch(body, out_type, *, num_heads: int, num_tiles: int, batch: int, interp
         compiler_params=plgpu.CompilerParams(approx_math=True), **extra)
 
 
+def run_into(kernel, inputs, buffers):
+    """``kernel(*inputs, *buffers)`` for a kernel launched without outputs, with ``buffers``
+    passed as refs under ``pl.run_state``: it writes into them (the custom call aliases them,
+    no copy) and their final values come back, as a tuple."""
+    def fill(refs):
+        kernel(*inputs, *refs)
+    return pl.run_state(fill)(tuple(buffers))
+
+
 def pick(i, values: tuple[int, ...]):
     """int32 scalar: ``values[i]`` for a traced index ``i`` into a short static tuple."""
     if values == tuple(range(len(values))):
@@ -246,6 +255,11 @@ def tile_allowed(q_first, k_first, rows: int, cols: int, window):
                    window)
 
 
+def zero_tile(rows: int, cols: int):
+    """float32 zeros [rows, cols] in the wgmma accumulator layout (an accumulator's start)."""
+    return plgpu.layout_cast(jnp.zeros((rows, cols), jnp.float32), plgpu.Layout.WGMMA)
+
+
 def softmax_carry(rows: int, head_dim: int, with_stats: bool):
     """The online softmax's initial carry for ``rows`` query rows in the wgmma layouts: the
     accumulator (zeros), the running max (floored), the row sum, and with the statistics the
@@ -254,8 +268,7 @@ def softmax_carry(rows: int, head_dim: int, with_stats: bool):
         return plgpu.layout_cast(jnp.full((rows,), value, jnp.float32),
                                  plgpu.Layout.WGMMA.reduce(1))
 
-    carry = (plgpu.layout_cast(jnp.zeros((rows, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-             row_vector(MAX_FLOOR), row_vector(0.0))
+    carry = (zero_tile(rows, head_dim), row_vector(MAX_FLOOR), row_vector(0.0))
     return carry + (row_vector(-MASKED_SCORE),) if with_stats else carry
 
 

@@ -359,6 +359,8 @@ MOSAIC_CASES = [
     (2, 160, 4, 2, 64, (5, None, 64, None), (64, 64, 2, "mixed")),
     # three consumers: 4 query blocks, so the last tile's extra consumers redo block 3
     (1, 256, 2, 1, 64, (None, 50), (64, 64, 2, "mosaic", "triton", 64, 3)),
+    # the same at D = 128 (there the statistics' row minimum is taken after the exponentials)
+    (1, 320, 2, 1, 128, (None, 50), (64, 128, 2, "mosaic", "triton", 64, 3)),
     # the local heads as strips (forward_strip.py) into the global heads' buffers: padded T
     # (8 query blocks: strips of 3, 3, 2), GQA, p = 1, p = a block, p = 4 blocks - 1
     (1, 400, 5, 1, 64, (None, 1, 64, 255, 100), (64, 64, 2, "mixed", "triton", 64, 2, 3)),
@@ -393,7 +395,7 @@ def test_default_lowerings(dtype, D, windows, T, want):
     (jnp.bfloat16, 64, (50,) * 16, 4096, "strip"),               # no global head
     (jnp.bfloat16, 64, (None,) + (128,) * 15, 2048, "triton"),  # short: measured slower
     (jnp.bfloat16, 64, (None,) * 4, 8192, "triton"),             # no local head
-    (jnp.bfloat16, 128, (None,) + (128,) * 15, 8192, "triton"),  # D=128: three consumers spill
+    (jnp.bfloat16, 128, (None,) + (128,) * 15, 8192, "triton"),  # D=128: strips take D=64
     (jnp.float32, 64, (None,) + (128,) * 15, 8192, "triton"),
 ])
 def test_default_local_forward(dtype, D, windows, T, want):
@@ -444,10 +446,13 @@ def test_default_hopper_backward_blocks(D, windows, want):
     (64, (None,) * 4, 1024, 2),               # 4 x 6 tiles: too few programs
     (64, (None,) + (128,) * 15, 8192, 2),     # one global head, 43 tiles (measured slower)
     (64, (None,) + (128,) * 15, 16384, 3),    # 86 tiles (measured faster)
-    (128, (None,) * 16, 8192, 2),             # D=128: three consumers would spill
+    (128, (None,) * 16, 8192, 3),             # D=128 too, although its tiles spill (run Q)
+    (128, (None,) * 2 + (128,) * 14, 4096, 2),  # 43 tiles (measured slower, run Q)
+    (128, (None,) * 2 + (128,) * 14, 32768, 3),  # 342 tiles (measured faster)
+    (256, (None,) * 16, 8192, 2),             # not measured: a 128-register accumulator
 ])
 def test_default_forward_consumers(D, windows, T, want):
-    """The Hopper forward's consumer warpgroups by default (run L)."""
+    """The Hopper forward's consumer warpgroups by default (runs L and Q)."""
     from ls_jax.kernels.pallas_gpu import default_config
     assert default_config(jnp.bfloat16, D, windows, T).mosaic_consumers == want
 
@@ -575,11 +580,13 @@ def test_row_delta_of_some_heads():
 @pytest.mark.parametrize("D,windows,config", [
     (64, (None, 1, 128, None), dict(mosaic_bwd_block_q=128)),   # masks, 128-row bwd blocks
     (64, (None,) * 2, dict(mosaic_consumers=3, mosaic_bwd_block_q=128)),  # constant window
+    (128, (None, 50), dict(mosaic_consumers=3, mosaic_block_k=128)),  # D=128, three consumers
     (128, (None, 50), dict(mosaic_block_k=128, mosaic_dq_block_k=128)),
     # (the fused kernel takes 64-row query blocks whatever the config: 128 would not fit)
     (64, (None, 1, 128, None), dict(mosaic_bwd_block_q=128, mosaic_fused_dq=True)),
     (128, (None, 50), dict(mosaic_fused_dq=True)),
-], ids=["d64-mixed", "d64-global-3consumers", "d128", "d64-fused-dq", "d128-fused-dq"])
+], ids=["d64-mixed", "d64-global-3consumers", "d128-3consumers", "d128", "d64-fused-dq",
+        "d128-fused-dq"])
 def test_mosaic_kernels_lower_for_the_gpu_on_cpu(D, windows, config):
     """The GPU code paths that interpret mode does not run (register-operand and overlapped
     wgmma in the backward, ``mosaic_ring.mma`` on the GPU) lowered to Mosaic GPU's module on
@@ -649,6 +656,9 @@ MOSAIC_GPU_CASES = [
     (1, 4000, 8, 2, 64, (None, 50, 512, 1, None, 128, 4000, 7),
      (64, 128, 2, "mosaic", "mosaic", 128, 3)),
     (2, 2048, 4, 4, 64, (None,) * 4, (64, 128, 2, "mosaic", "mosaic", 128, 3)),
+    (1, 4000, 8, 2, 128, (None, 50, 512, 1, None, 128, 4000, 7),
+     (64, 128, 2, "mixed", "mixed", 64, 3)),
+    (2, 2048, 4, 4, 128, (None,) * 4, (64, 128, 2, "mosaic", "mosaic", 64, 3)),
     # the local heads as strips (forward_strip.py): into the global heads' buffers (strip
     # length from the SM count), and every head local on strips of 5 blocks, padded T
     (2, 2048, 8, 4, 64, (None, 128, None, 50, 128, 256, 1, 2048),

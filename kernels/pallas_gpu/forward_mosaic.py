@@ -14,10 +14,12 @@ config's ``mosaic_consumers``, 2 or 3):
   tile is ``C * block_q`` rows) and run the online softmax with asynchronous ``wgmma``.
   Two consumers (232 registers each) take turns on the tensor cores through a shared
   two-arrival barrier (one computes QK^T or PV while the other does its softmax); three
-  (160 registers each, the default at D <= 64 when the global heads give enough tiles, as
-  in FlashAttention-3's 192-row tiles) run free: a third warp per scheduler hides more of
-  the softmax's latency (run L, docs/kernel-notes.md). When the query blocks do not fill the
-  last tile, its extra consumers redo the last block and store the same rows.
+  (160 registers each, the default when the global heads give enough tiles, as in
+  FlashAttention-3's 192-row tiles for head size 64) run free: a third warp per scheduler
+  hides more of the softmax's latency (run L at D=64; at D=128 too, although there its
+  tiles spill 28 bytes with the statistics: run Q, docs/kernel-notes.md). When the query
+  blocks do not fill the last tile, its extra consumers redo the last block and store the
+  same rows.
 
 A local head's band is a few key blocks: the producer loads the union of the consumers'
 ranges (``kernels.band.kv_block_range``), and a consumer steps through the blocks outside its
@@ -109,10 +111,12 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
             take_turn()
 
         # The statistics' running row minimum of the scores. With three consumers (160
-        # registers) it is taken before the exponentials, while one score tile is live (after
-        # them it spilled and cost 5-8%, run L); with two (232 registers) after them, off the
-        # path from the row maximum to the exponentials (before them it cost 11-15%, run L).
-        early_min = consumers > 2
+        # registers) at D=64 it is taken before the exponentials, while one score tile is live
+        # (after them it spilled and cost 5-8%, run L); otherwise after them, off the path from
+        # the row maximum to the exponentials: with two consumers before them cost 11-15%
+        # (run L), with three at D=128 1.985 vs 1.899 ms (n=8192) and 29.98 vs 28.46 ms
+        # (n=32768) every head global (H100, run Q).
+        early_min = consumers > 2 and head_dim <= 64
 
         def step(j, carry, masked: bool):
             acc_QxD, m_Q, l_Q, *min_Q = carry

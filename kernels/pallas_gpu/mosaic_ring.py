@@ -35,7 +35,7 @@ from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR
 CONSUMERS = 2
 # registers per thread after ``plgpu.set_max_registers``, by number of consumers: the producer
 # gives up what the consumers take; (2 * 232 + 40) * 128 threads = 64512 of the SM's 65536,
-# and (3 * 160 + 24) * 128 = 64512 with three consumers (the forward at D <= 64). The
+# and (3 * 160 + 24) * 128 = 64512 with three consumers (the forward, D <= 128). The
 # warpgroups share what the program was launched with (``launch_registers``): a budget above
 # it leaves the consumers' increase waiting for registers no one gives back (run N's hang:
 # four consumers at 120, 4 * 120 + 24 > 5 * 96; at 112 they ran, run O)

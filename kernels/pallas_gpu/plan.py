@@ -39,6 +39,8 @@ SHORT_MIX_TRITON_BWD = 8192
 # heads per batch element (H100 run L, B=4: 43 tiles 13% slower; 86, 171, 172, 176 and 688
 # tiles 3-11% faster; 352 tiles 3% slower in one sample)
 THREE_CONSUMER_MIN_TILES = 64
+# ... and up to this head size (measured at 64 and 128, run Q)
+THREE_CONSUMER_MAX_HEAD_DIM = 128
 
 _BLOCK_FIELDS = ("fwd_block_q", "fwd_block_k", "dq_block_q", "dq_block_k", "dkdv_block_q",
                  "dkdv_block_k")
@@ -263,14 +265,19 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
         # 128-key blocks in dQ (f+b 1.2-3.4% faster in three runs, e.g. 127.7 -> 125.4 ms at
         # n=32768; not in mixes, where it measured slower), H100 runs J-K, kernel-notes.md
         wide_head = head_dim > 64
-        # three forward consumers (192-row tiles) at D <= 64 when the global heads fill
-        # enough of them (per batch element): all global n=8192 1.330 -> 1.215 ms, n=32768
+        # three forward consumers (192-row tiles) when the global heads fill enough of them
+        # (per batch element). D=64 (run L): all global n=8192 1.330 -> 1.215 ms, n=32768
         # 19.65 -> 17.53 ms; 1 global + 15 local 1.693 -> 1.583 ms at n=32768 (171 tiles),
         # 0.562 -> 0.545 at n=16384 (86 tiles), but 0.214 -> 0.242 ms at n=8192 (43 tiles:
-        # too few programs for the GPU), H100 run L, kernel-notes.md
+        # too few programs for the GPU). D=128 (run Q; with statistics its tiles spill 28 bytes):
+        # all global n=8192 1.995 -> 1.671 ms, n=32768 29.28 -> 26.57 ms; 2 global + 14
+        # local n=32768 4.303 -> 3.911 (342 tiles), 1g15l n=16384 a tie (86), but at n=4096
+        # 0.196 -> 0.222 (22 tiles) and 0.199 -> 0.206 (43). H100, kernel-notes.md. Not
+        # measured above D=128 (a 128-register accumulator alone at D=256)
         global_tiles = sum(global_flags) * (cdiv(seq_len, 3 * config.mosaic_block_q)
                                             if seq_len else 0)
-        consumers = 3 if not wide_head and global_tiles >= THREE_CONSUMER_MIN_TILES else 2
+        consumers = (3 if head_dim <= THREE_CONSUMER_MAX_HEAD_DIM
+                     and global_tiles >= THREE_CONSUMER_MIN_TILES else 2)
         config = dataclasses.replace(config, fwd_lowering=lowering, mosaic_consumers=consumers,
                                      bwd_lowering="triton" if short_narrow_mix else lowering,
                                      mosaic_block_k=128,

@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
 import subprocess
 import sys
 import time

@@ -44,7 +44,6 @@ warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from ls_jax.config import ModelConfig

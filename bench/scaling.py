@@ -65,9 +65,7 @@ def worker(shape_name: str, shape: dict, mesh_kind: str, steps: int, warmup: int
         # a run that hangs prints every thread's Python stack before the parent kills it
         faulthandler.dump_traceback_later(deadline_s, exit=True)
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    import optax
     from flax import nnx
 
     from ls_jax import sharding as sharding_lib

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ls_jax.kernels.api import SUPPORTED_DTYPES, normalize_window_sizes
 from ls_jax.kernels.band import allowed, window_array

@@ -22,7 +22,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 
 from ls_jax.rundir import CHECKPOINT_SUBDIR, RunDir

@@ -2,14 +2,12 @@
 checkpoints fall back, failed saves stop the run, TensorBoard keeps the resumed step, a finished
 run is not evaluated twice, one-line CLI errors, non-identity fields may change on resume."""
 
-import json
 import os
 import signal
 import struct
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 
 import grain
@@ -26,7 +24,7 @@ from ls_jax.metrics import read_jsonl
 from ls_jax.rundir import NON_IDENTITY_FIELDS, RunDir, WorkdirLocked
 from ls_jax.train import train
 
-from tests.test_train import MICRO, ROOT, micro_config
+from tests.test_train import MICRO, micro_config
 
 GRAIN_HANDLER = grain.checkpoint.CheckpointSave  # registered with grain's CheckpointHandler
 

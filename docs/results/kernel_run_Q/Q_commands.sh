@@ -26,3 +26,5 @@ MOSAIC_GPU_DUMP_PTXAS=1 timeout 45 python scratch/ptxas_final.py 2>&1 | grep -i 
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 330 python -P -m pytest -v -n 2 -m gpu tests/test_pallas_gpu.py -k "D128 and 64x3"
 # ---- call Q7: every GPU test
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 560 python -P -m pytest -q -n 4 -m gpu --durations=6 tests/test_pallas_gpu.py tests/test_split.py tests/test_dispatch.py tests/test_generate.py tests/test_decode_kernel.py
+# ---- call Q8: the Mosaic backward with three consumers (a patched copy of the module), f+b A/B and ptxas
+MOSAIC_GPU_DUMP_PTXAS=1 timeout 220 python scratch/ab_bwd3.py g16_d64_8k,1g15l_d64_32k 2>&1 | grep -i "spill\|c3q64\|f+b\|Error\|error" | sort | uniq -c | sort -rn | head -30

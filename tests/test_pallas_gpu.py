@@ -447,7 +447,7 @@ def test_default_hopper_backward_blocks(D, windows, want):
     (64, (None,) + (128,) * 15, 8192, 2),     # one global head, 43 tiles (measured slower)
     (64, (None,) + (128,) * 15, 16384, 3),    # 86 tiles (measured faster)
     (128, (None,) * 16, 8192, 3),             # D=128 too, although its tiles spill (run Q)
-    (128, (None,) * 2 + (128,) * 14, 4096, 2),  # 43 tiles (measured slower, run Q)
+    (128, (None,) * 2 + (128,) * 14, 4096, 2),  # 44 tiles (measured slower, run Q)
     (128, (None,) * 2 + (128,) * 14, 32768, 3),  # 342 tiles (measured faster)
     (256, (None,) * 16, 8192, 2),             # not measured: a 128-register accumulator
 ])

@@ -23,7 +23,7 @@ With ``KernelConfig.mosaic_fused_dq`` the dK/dV kernel also computes dQ (FA3's w
 step stores dS^T to shared memory while dK runs, ``dS . K`` reads it there (wgmma with a
 transposed A), and the tile goes out through shared memory as a TMA reduction (add) into a
 float32 accumulator, so dQ's additions land in no fixed order (not bit-reproducible). Five
-products per tile instead of the two kernels' seven: 1.05-1.09x the f+b with every head
+products per tile instead of the two kernels' seven: 1.03-1.09x the f+b with every head
 global at D=64 on an H100, 1.02x in long LS mixes, half as fast at D=128 (spills), run P; off
 by default.
 

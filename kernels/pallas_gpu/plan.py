@@ -272,7 +272,7 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
         # too few programs for the GPU). D=128 (run Q; with statistics its tiles spill 28 bytes):
         # all global n=8192 1.995 -> 1.671 ms, n=32768 29.28 -> 26.57 ms; 2 global + 14
         # local n=32768 4.303 -> 3.911 (342 tiles), 1g15l n=16384 a tie (86), but at n=4096
-        # 0.196 -> 0.222 (22 tiles) and 0.199 -> 0.206 (43). H100, kernel-notes.md. Not
+        # 0.196 -> 0.222 (22 tiles) and 0.199 -> 0.206 (44). H100, kernel-notes.md. Not
         # measured above D=128 (a 128-register accumulator alone at D=256)
         global_tiles = sum(global_flags) * (cdiv(seq_len, 3 * config.mosaic_block_q)
                                             if seq_len else 0)

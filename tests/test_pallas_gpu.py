@@ -337,11 +337,11 @@ def test_gpu_float32_matches_reference():
 # The Hopper forward (``forward_mosaic.py``): the Mosaic GPU kernel, with the Triton backward.
 
 def mosaic_config(block_q=64, block_k=64, stages=2, lowering="mosaic", bwd="triton",
-                  bwd_block_q=64, consumers=2, strip=None, fused_dq=False):
+                  bwd_block_q=64, consumers=2, strip=None, fused_dq=False, bwd_consumers=2):
     """strip: None keeps the local heads' forward on Triton; else strips of that many query
     blocks (0: the kernel's choice). fused_dq: dQ in the Mosaic dK/dV kernel."""
     return KernelConfig(fwd_lowering=lowering, bwd_lowering=bwd, mosaic_block_q=block_q,
-                        mosaic_fused_dq=fused_dq,
+                        mosaic_fused_dq=fused_dq, mosaic_bwd_consumers=bwd_consumers,
                         mosaic_block_k=block_k, mosaic_stages=stages,
                         mosaic_bwd_block_q=bwd_block_q, mosaic_consumers=consumers,
                         local_fwd_lowering="triton" if strip is None else "strip",
@@ -428,33 +428,62 @@ def test_strip_length(blocks, rows, sms, want):
     assert strip_length(blocks, rows, sms) == want
 
 
-@pytest.mark.parametrize("D,windows,want", [
-    (64, (None,) * 4, (128, 0)),
-    (64, (None, 128, 128, 128), (128, 0)),
-    (128, (None,) * 4, (64, 128)),          # dQ on 128-key blocks: all global at D=128 only
-    (128, (None, 128, 128, 128), (64, 0)),
+@pytest.mark.parametrize("D,windows,T,B,want", [
+    # three consumers on 64-row blocks from 512 dQ programs (batch x global heads x tiles of
+    # 192 rows), run R
+    (64, (None,) * 4, 32768, 1, (3, 64, 0)),          # 4 x 171
+    (64, (None,) + (128,) * 15, 32768, 4, (3, 64, 0)),  # 4 x 171 (measured faster)
+    (64, (None,) + (128,) * 15, 32768, 1, (2, 128, 0)),  # 171 (measured slower)
+    (64, (None,) + (128,) * 15, 16384, 4, (2, 128, 0)),  # 4 x 86 (measured slower)
+    (64, (None,) * 2, 12288, 4, (3, 64, 0)),          # 4 x 2 x 64
+    (64, (None,) * 2, 12096, 4, (2, 128, 0)),         # 4 x 2 x 63
+    (128, (None,) * 4, 32768, 4, (2, 64, 128)),  # dQ on 128-key blocks: all global at D=128
+    (128, (None, 128, 128, 128), 32768, 4, (2, 64, 0)),  # D=128: three spill (run R)
 ])
-def test_default_hopper_backward_blocks(D, windows, want):
-    """The Hopper backward's query blocks and dQ key blocks by default (runs J-K)."""
+def test_default_hopper_backward_blocks(D, windows, T, B, want):
+    """The Hopper backward's consumers, query blocks and dQ key blocks by default (runs J-K,
+    R)."""
     from ls_jax.kernels.pallas_gpu import default_config
-    config = default_config(jnp.bfloat16, D, windows, 32768)
-    assert (config.mosaic_bwd_block_q, config.mosaic_dq_block_k) == want
+    config = default_config(jnp.bfloat16, D, windows, T, batch=B)
+    got = (config.mosaic_bwd_consumers, config.mosaic_bwd_block_q, config.mosaic_dq_block_k)
+    assert got == want
 
 
-@pytest.mark.parametrize("D,windows,T,want", [
-    (64, (None,) * 16, 8192, 3),              # all global: 16 x 43 tiles of 192 rows
-    (64, (None,) * 4, 1024, 2),               # 4 x 6 tiles: too few programs
-    (64, (None,) + (128,) * 15, 8192, 2),     # one global head, 43 tiles (measured slower)
-    (64, (None,) + (128,) * 15, 16384, 3),    # 86 tiles (measured faster)
-    (128, (None,) * 16, 8192, 3),             # D=128 too, although its tiles spill (run Q)
-    (128, (None,) * 2 + (128,) * 14, 4096, 2),  # 44 tiles (measured slower, run Q)
-    (128, (None,) * 2 + (128,) * 14, 32768, 3),  # 342 tiles (measured faster)
-    (256, (None,) * 16, 8192, 2),             # not measured: a 128-register accumulator
+def test_default_consumers_follow_the_batch():
+    """The call's batch reaches ``default_config`` (one global head at n=32768: B=4 gives 684
+    programs and three consumers, forward and backward; B=1 171 programs and two)."""
+    from ls_jax.kernels.pallas_gpu.backend import _prepare
+    windows = (None,) + (128,) * 15
+
+    def consumers(B):
+        x = jax.ShapeDtypeStruct((B, 32768, 16, 64), jnp.bfloat16)
+        out = []
+        jax.eval_shape(lambda q: out.append(_prepare(q, q, q, windows, None, None, None, False,
+                                                     True)[0].config), x)
+        return out[0].mosaic_consumers, out[0].mosaic_bwd_consumers
+
+    assert (consumers(4), consumers(1)) == ((3, 3), (2, 2))
+
+
+@pytest.mark.parametrize("D,windows,T,B,want", [
+    # three from 256 programs (batch x global heads x tiles of 192 rows)
+    (64, (None,) * 16, 8192, 1, 3),           # all global: 16 x 43 tiles
+    (64, (None,) * 4, 1024, 4, 2),            # 4 x 4 x 6: too few programs
+    (64, (None,) + (128,) * 15, 8192, 4, 2),  # one global head, 4 x 43 (measured slower)
+    (64, (None,) + (128,) * 15, 16384, 4, 3),  # 4 x 86 (measured faster, run L)
+    (64, (None,) + (128,) * 15, 16384, 1, 2),  # 86 (measured slower, run R)
+    (64, (None,) + (128,) * 15, 32768, 1, 2),  # 171 (measured slower, run R)
+    (64, (None,) * 2 + (128,) * 14, 32768, 1, 3),  # 2 x 171 (measured faster, run R)
+    (128, (None,) * 16, 8192, 4, 3),          # D=128 too, although its tiles spill (run Q)
+    (128, (None,) * 2 + (128,) * 14, 4096, 4, 2),  # 4 x 2 x 22 (measured slower, run Q)
+    (128, (None,) * 2 + (128,) * 14, 32768, 4, 3),  # 4 x 2 x 171 (measured faster)
+    (128, (None,) * 2 + (128,) * 14, 16384, 1, 2),  # 2 x 86 (measured slower, run R)
+    (256, (None,) * 16, 8192, 4, 2),          # not measured: a 128-register accumulator
 ])
-def test_default_forward_consumers(D, windows, T, want):
-    """The Hopper forward's consumer warpgroups by default (runs L and Q)."""
+def test_default_forward_consumers(D, windows, T, B, want):
+    """The Hopper forward's consumer warpgroups by default (runs L, Q and R)."""
     from ls_jax.kernels.pallas_gpu import default_config
-    assert default_config(jnp.bfloat16, D, windows, T).mosaic_consumers == want
+    assert default_config(jnp.bfloat16, D, windows, T, batch=B).mosaic_consumers == want
 
 
 def test_register_budgets_fit_what_the_program_launches_with():
@@ -513,8 +542,13 @@ class TestMosaicInterpret:
         # dQ in the dK/dV kernel (in the interpreter each key block's share in its own slice)
         ("mosaic-fused", 1, (None, 20, 130)),   # GQA too
         ("mixed-fused", 3, (None, 7, None)),
+        # three consumers in the backward (4 blocks of 64: the last tile's extra consumers
+        # redo the last block)
+        ("mosaic-c3", 1, (None, 20, 130)),
+        ("mixed-c3", 3, (None, 7, None)),
     ], ids=["bwd-triton", "bwd-mosaic", "bwd-mosaic-mqa", "bwd-mosaic-q128dq128", "bwd-mixed",
-            "bwd-mixed-xladelta", "bwd-mosaic-fused-mqa", "bwd-mixed-fused"])
+            "bwd-mixed-xladelta", "bwd-mosaic-fused-mqa", "bwd-mixed-fused", "bwd-mosaic-c3-mqa",
+            "bwd-mixed-c3"])
     def test_gradients_match_reference(self, bwd, Hkv, windows):
         B, T, Hq, D = 1, 200, 3, 64
         q, k, v, do = random_inputs(np.random.default_rng(3), B, T, Hq, Hkv, D, jnp.bfloat16)
@@ -527,6 +561,8 @@ class TestMosaicInterpret:
             config = dataclasses.replace(config, delta_in_kernel=False)
         if bwd.endswith("fused"):
             config = dataclasses.replace(config, mosaic_fused_dq=True)
+        if bwd.endswith("c3"):
+            config = dataclasses.replace(config, mosaic_bwd_consumers=3)
 
         def ours(q, k, v):
             out, _ = pallas_gpu_attention(q, k, v, windows, config=config, interpret=True)
@@ -555,6 +591,7 @@ class TestMosaicInterpret:
                            (dict(mosaic_stages=1), "mosaic_stages"),
                            (dict(mosaic_dq_block_k=96), "mosaic_dq_block_k"),
                            (dict(mosaic_consumers=4), "mosaic_consumers"),
+                           (dict(mosaic_bwd_consumers=1), "mosaic_bwd_consumers"),
                            (dict(mosaic_fused_dq=1), "mosaic_fused_dq"),
                            (dict(local_fwd_lowering="mosaic"), "local_fwd_lowering"),
                            (dict(strip_blocks=-1), "strip_blocks"),
@@ -585,8 +622,9 @@ def test_row_delta_of_some_heads():
     # (the fused kernel takes 64-row query blocks whatever the config: 128 would not fit)
     (64, (None, 1, 128, None), dict(mosaic_bwd_block_q=128, mosaic_fused_dq=True)),
     (128, (None, 50), dict(mosaic_fused_dq=True)),
+    (64, (None, 1, 128, None), dict(mosaic_bwd_consumers=3)),
 ], ids=["d64-mixed", "d64-global-3consumers", "d128-3consumers", "d128", "d64-fused-dq",
-        "d128-fused-dq"])
+        "d128-fused-dq", "d64-bwd-3consumers"])
 def test_mosaic_kernels_lower_for_the_gpu_on_cpu(D, windows, config):
     """The GPU code paths that interpret mode does not run (register-operand and overlapped
     wgmma in the backward, ``mosaic_ring.mma`` on the GPU) lowered to Mosaic GPU's module on
@@ -672,6 +710,12 @@ MOSAIC_GPU_CASES = [
      (64, 128, 2, "mixed", "mixed", 64, 3, None, True)),
     (1, 2048, 4, 4, 128, (None, None, 300, None), (64, 128, 2, "mosaic", "mosaic", 64, 2, None,
                                                    True)),
+    # three consumers in the backward: every head with GQA and padded T (46 blocks: a last
+    # tile of one block), and mixed
+    (1, 2900, 8, 2, 64, (None, 50, 512, 1, None, 128, 2900, 7),
+     (64, 128, 2, "mosaic", "mosaic", 64, 2, None, False, 3)),
+    (2, 2048, 8, 8, 64, (None, 128, None, 50, 128, 256, 1, 2048),
+     (64, 128, 2, "mixed", "mixed", 64, 3, None, False, 3)),
 ]
 
 

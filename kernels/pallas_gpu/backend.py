@@ -59,7 +59,7 @@ def _prepare(q, k, v, window_sizes: WindowSizes, segment_ids, scale, config, log
             "mode, or use implementation='reference'")
     plan = make_plan(seq_len=T, head_dim=D, windows=window_sizes, num_kv_heads=k.shape[2],
                      dtype=q.dtype, scale=default_scale(D) if scale is None else scale,
-                     config=config, logit_stats=logit_stats, interpret=interpret)
+                     config=config, logit_stats=logit_stats, interpret=interpret, batch=B)
     Tp, Dp = plan.seq_len_padded, plan.head_dim_padded
     if Tp != T or Dp != D:
         pad = ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D))

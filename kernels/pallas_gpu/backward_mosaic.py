@@ -42,9 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import allowed, kv_block_range, q_block_range
-from ls_jax.kernels.pallas_gpu.mosaic_ring import (CONSUMER_REGISTERS, CONSUMERS,
-                                                   F32_TRANSFORMS, PRODUCER_REGISTERS,
-                                                   TILE_TRANSFORMS, band_loops, launch, mma,
+from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, F32_TRANSFORMS, TILE_TRANSFORMS,
+                                                   band_loops, interpreter_fits, launch, mma,
                                                    produce, produce_kv, program_ids, ring_slot,
                                                    run_into, selected_heads, tile_allowed,
                                                    tile_iota, tile_union, zero_tile)
@@ -62,7 +61,7 @@ def dq_slots(head_dim: int) -> int:
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, *, heads,
                windows, group, block_q, block_k, stages, num_tiles, seq_len, score_scale,
-               scale, interpret):
+               scale, interpret, consumers):
     smem, loaded, freed = scoped
     q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
     own_loaded, k_loaded, v_loaded = loaded
@@ -71,15 +70,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
     tile = num_tiles - 1 - lax.axis_index("tile")  # longest rows first
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
-    union_first, union_end = tile_union(kv_block_range, tile, block_q, block_k, window, seq_len)
+    num_q_blocks = seq_len // block_q
+    union_first, union_end = tile_union(kv_block_range, tile, block_q, block_k, window, seq_len,
+                                        consumers=consumers, num_blocks=num_q_blocks)
+    consumer_registers, producer_registers = REGISTERS[consumers]
 
     def slot_of(j):
         return ring_slot(j, union_first, stages)
 
-    @pl.when(wg < CONSUMERS)
+    @pl.when(wg < consumers)
     def _consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        q_block = CONSUMERS * tile + wg
+        plgpu.set_max_registers(consumer_registers, action="increase")
+        q_block = last_tile_clamped(consumers * tile + wg, num_q_blocks, consumers)
         q_first = q_block * block_q
         rows = pl.ds(q_first, block_q)
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
@@ -153,15 +155,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
         plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
         plgpu.wait_smem_to_gmem(0)
 
-    pl.when(wg == CONSUMERS)(functools.partial(
+    pl.when(wg == consumers)(functools.partial(
         produce_kv, k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded), (k_free, v_free), b=b,
         kv_head=lax.div(h, jnp.int32(group)), block_k=block_k, first=union_first,
-        end=union_end, stages=stages))
+        end=union_end, stages=stages, registers=producer_registers))
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref,
                  scoped, *, heads, windows, group, block_q, block_k, stages, num_tiles,
-                 seq_len, score_scale, scale, interpret):
+                 seq_len, score_scale, scale, interpret, consumers):
     """dK/dV; with ``dq_ref`` (float32) also dQ: each step's ``ds . K`` added into it."""
     smem, loaded, freed = scoped
     k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, ds_smem2, dq_smem2 = smem
@@ -172,15 +174,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     tile = lax.axis_index("tile")  # the first key tiles have the longest columns
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
-    union_first, union_end = tile_union(q_block_range, tile, block_q, block_k, window, seq_len)
+    num_k_blocks = seq_len // block_k
+    union_first, union_end = tile_union(q_block_range, tile, block_q, block_k, window, seq_len,
+                                        consumers=consumers, num_blocks=num_k_blocks)
+    consumer_registers, producer_registers = REGISTERS[consumers]
 
     def slot_of(i):
         return ring_slot(i, union_first, stages)
 
-    @pl.when(wg < CONSUMERS)
+    @pl.when(wg < consumers)
     def _consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        k_block = CONSUMERS * tile + wg
+        plgpu.set_max_registers(consumer_registers, action="increase")
+        k_block = last_tile_clamped(consumers * tile + wg, num_k_blocks, consumers)
         k_first = k_block * block_k
         cols = pl.ds(k_first, block_k)
         kv_head = lax.div(h, jnp.int32(group))
@@ -299,9 +304,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, cols, h])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == CONSUMERS)
+    @pl.when(wg == consumers)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(producer_registers, action="decrease")
 
         def load(i, slot):
             rows = pl.ds(i * block_q, block_q)
@@ -316,15 +321,27 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                 lambda slot: plgpu.barrier_wait(free.at[slot]))
 
 
-def _static(plan, q, k, heads):
+def last_tile_clamped(block, num_blocks: int, consumers: int):
+    """A consumer's own block; in a last tile the blocks do not fill, its extra consumers
+    redo the last block (and store the same rows) rather than branch around the ring's
+    barriers (as in ``forward_mosaic.py``)."""
+    return block if num_blocks % consumers == 0 else jnp.minimum(block, num_blocks - 1)
+
+
+def _static(plan, q, k, heads, fused_dq: bool = False):
     B, Tp, H, Dp = q.shape
     heads, windows = selected_heads(plan, H, heads)
     cfg = plan.config
+    consumers = cfg.mosaic_bwd_consumers
+    if fused_dq or (plan.interpret and not interpreter_fits(consumers)):
+        # the fused dQ: a redone last block would add its dQ twice; the interpreter: four
+        # warpgroups may hang it on few processors (the same results with two)
+        consumers = 2
     return heads, dict(
         heads=heads, windows=windows,
         group=H // k.shape[2], block_q=cfg.mosaic_bwd_block_q, block_k=cfg.mosaic_bwd_block_k,
         stages=cfg.mosaic_stages, seq_len=Tp, score_scale=plan.scale * LOG2_E,
-        scale=plan.scale, interpret=plan.interpret)
+        scale=plan.scale, interpret=plan.interpret, consumers=consumers)
 
 
 def dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None):
@@ -333,23 +350,25 @@ def dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None):
     heads, static = _static(plan, q, k, heads)
     static["block_k"] = plan.config.mosaic_dq_block_k or static["block_k"]
     bq, bk, stages = static["block_q"], static["block_k"], static["stages"]
-    num_tiles = Tp // (CONSUMERS * bq)
+    consumers = static["consumers"]
+    num_tiles = pl.cdiv(Tp, consumers * bq)
 
     def entry(*refs):
-        rows = plgpu.SMEM((CONSUMERS, bq), jnp.float32)
+        rows = plgpu.SMEM((consumers, bq), jnp.float32)
         pl.run_scoped(
             lambda *scoped: _dq_kernel(*refs, scoped, num_tiles=num_tiles, **static),
-            [plgpu.SMEM((CONSUMERS, bq, Dp), q.dtype, transforms=TILE_TRANSFORMS),
-             plgpu.SMEM((CONSUMERS, bq, Dp), q.dtype, transforms=TILE_TRANSFORMS), rows, rows,
+            [plgpu.SMEM((consumers, bq, Dp), q.dtype, transforms=TILE_TRANSFORMS),
+             plgpu.SMEM((consumers, bq, Dp), q.dtype, transforms=TILE_TRANSFORMS), rows, rows,
              plgpu.SMEM((stages, bk, Dp), q.dtype, transforms=TILE_TRANSFORMS),
              plgpu.SMEM((stages, bk, Dp), q.dtype, transforms=TILE_TRANSFORMS)],
-            (plgpu.Barrier(num_barriers=4 * CONSUMERS), plgpu.Barrier(num_barriers=stages),
+            (plgpu.Barrier(num_barriers=4 * consumers), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=stages)),
-            (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2,
+            (plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),) * 2,
             collective_axes="wg")
 
     return launch(entry, jax.ShapeDtypeStruct(q.shape, q.dtype), num_heads=len(heads),
-                  num_tiles=num_tiles, batch=B, interpret=plan.interpret)(
+                  num_tiles=num_tiles, batch=B, interpret=plan.interpret,
+                  consumers=consumers)(
         q, k, v, do, lse2, delta)
 
 
@@ -362,34 +381,35 @@ def dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None, *, fused_dq: bo
     kernels' seven; the order of the additions varies from run to run, so dQ is not
     bit-reproducible): returns (dk, dv, dq), dq [B, Tp, len(heads), Dp] in q's dtype."""
     B, Tp, H, Dp = q.shape
-    heads, static = _static(plan, q, k, heads)
+    heads, static = _static(plan, q, k, heads, fused_dq)
     if fused_dq:  # 64-row query blocks: with 128 the consumers spill (run P: twice as slow)
         static["block_q"] = FUSED_BLOCK_Q
     bq, bk, stages = static["block_q"], static["block_k"], static["stages"]
-    num_tiles = Tp // (CONSUMERS * bk)
+    consumers = static["consumers"]
+    num_tiles = pl.cdiv(Tp, consumers * bk)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref=None):
-        own = plgpu.SMEM((CONSUMERS, bk, Dp), k.dtype, transforms=TILE_TRANSFORMS)
+        own = plgpu.SMEM((consumers, bk, Dp), k.dtype, transforms=TILE_TRANSFORMS)
         ring = plgpu.SMEM((stages, bq, Dp), q.dtype, transforms=TILE_TRANSFORMS)
         rows = plgpu.SMEM((stages, bq), jnp.float32)
         fused = [None, None]
         if dq_ref is not None:  # dS^T tiles (wgmma's A, read transposed), dQ tiles out
-            fused = [plgpu.SMEM((CONSUMERS, bk, bq), q.dtype, transforms=TILE_TRANSFORMS),
-                     plgpu.SMEM((CONSUMERS, dq_slots(Dp), bq, Dp), jnp.float32,
+            fused = [plgpu.SMEM((consumers, bk, bq), q.dtype, transforms=TILE_TRANSFORMS),
+                     plgpu.SMEM((consumers, dq_slots(Dp), bq, Dp), jnp.float32,
                                 transforms=F32_TRANSFORMS)]
         pl.run_scoped(
             lambda *scoped: _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                                          dk_ref, dv_ref, dq_ref, scoped, num_tiles=num_tiles,
                                          **static),
             [own, own, ring, ring, rows, rows, *fused],
-            (plgpu.Barrier(num_barriers=2 * CONSUMERS),) + (
+            (plgpu.Barrier(num_barriers=2 * consumers),) + (
                 plgpu.Barrier(num_barriers=stages),) * 4,
-            (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),),
+            (plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),),
             collective_axes="wg")
 
     def run(out_type):
         return launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
-                      interpret=plan.interpret)
+                      interpret=plan.interpret, consumers=consumers)
 
     shape = jax.ShapeDtypeStruct((B, Tp, H, Dp), k.dtype)
     if not fused_dq:

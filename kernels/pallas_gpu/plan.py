@@ -35,12 +35,22 @@ STRIP_HEAD_DIM = 64
 STRIP_MIN_SEQ_LEN = 4096
 # LS mixes with D <= 64 up to this length keep the Triton backward (``default_config``)
 SHORT_MIX_TRITON_BWD = 8192
-# the Hopper forward's three-consumer tiles (192 query rows) pay from this many tiles of global
-# heads per batch element (H100 run L, B=4: 43 tiles 13% slower; 86, 171, 172, 176 and 688
-# tiles 3-11% faster; 352 tiles 3% slower in one sample)
-THREE_CONSUMER_MIN_TILES = 64
+# the Hopper forward's three-consumer tiles (192 query rows) pay from this many programs of the
+# global heads (batch x global heads x tiles). H100 runs L, Q (B=4) and R (B=1): 86-176
+# programs 5-22% slower (e.g. B=4 1 global + 15 local n=8192, 172: 13%; B=1 n=16384-32768,
+# 86-172: 17-22%); 342-2752 programs 3-11% faster (B=1 2 global + 14 local n=32768, 342: 3%)
+# or a tie (B=4 1g15l D=128 n=16384, 344), 1408 once 3% slower (all global n=4096)
+THREE_CONSUMER_MIN_PROGRAMS = 256
 # ... and up to this head size (measured at 64 and 128, run Q)
 THREE_CONSUMER_MAX_HEAD_DIM = 128
+# the Hopper backward's three consumers (64-row blocks: tiles of 192 rows or keys): at D <= 64
+# (at D=128 they spill, f+b 0.48-0.58x, run R) from this many programs of the global heads'
+# dQ kernel (batch x global heads x tiles; about 4 waves on an H100's 132 SMs). H100 runs Q-R,
+# f+b: 171 programs (1 global + 15 local n=32768, B=1) 1.9% and 344 (the same at n=16384,
+# B=4) 1.4% slower; 684 (n=32768, B=4) 1.6-2.3%, 688 (2 global + 14 local n=16384) 2.8%, 704
+# (all global n=2048) 5.2%, 1408-2752 (all global n=4096-32768) 2.2-4.6% faster
+THREE_BWD_CONSUMER_MIN_PROGRAMS = 512
+THREE_BWD_CONSUMER_MAX_HEAD_DIM = 64
 
 _BLOCK_FIELDS = ("fwd_block_q", "fwd_block_k", "dq_block_q", "dq_block_k", "dkdv_block_q",
                  "dkdv_block_k")
@@ -102,8 +112,16 @@ class KernelConfig:
     mosaic_fused_dq: dQ computed in the Mosaic dK/dV kernel, which then streams 64-row query
     blocks (float32 TMA reductions, five products per tile instead of seven; dQ is not
     bit-reproducible: the additions' order varies), instead of its own kernel. Off by
-    default; on an H100 1.03-1.09x the f+b with every head global at D=64, 1.02x in long LS
-    mixes, half as fast at D=128 (run P, docs/kernel-notes.md).
+    default; on an H100 1.03-1.09x the f+b with every head global at D=64 against two
+    unfused consumers, 1.026x against three (run R), 1.02x in long LS mixes, half as fast at
+    D=128 (run P, docs/kernel-notes.md).
+    mosaic_bwd_consumers: the Mosaic dQ and dK/dV kernels' consumer warpgroups, 2 (232
+    registers each) or 3 (160 each; the fused dQ always takes 2; with ``interpret`` 2 where
+    the interpreter cannot run four warpgroups, ``mosaic_ring.interpreter_fits``). The
+    default takes 3, with 64-row query blocks, at D <= 64 where the global heads' dQ kernel
+    launches at least 512 programs (``THREE_BWD_CONSUMER_MIN_PROGRAMS``): on an H100 the f+b
+    1.02-1.05x with every head global at D=64, 1.02x for 1 global + 15 local at n=32768, B=4;
+    fewer programs measured 1-2% slower; half as fast at D=128 (runs Q-R, kernel-notes.md).
     """
 
     fwd_block_q: int = 64
@@ -137,6 +155,7 @@ class KernelConfig:
     mosaic_bwd_block_k: int = 64
     mosaic_dq_block_k: int = 0
     mosaic_fused_dq: bool = False
+    mosaic_bwd_consumers: int = 2
     local_fwd_lowering: str = "triton"
     strip_blocks: int = 0
 
@@ -189,9 +208,10 @@ class KernelConfig:
         if not isinstance(self.mosaic_fused_dq, bool):
             raise ValueError(f"config.mosaic_fused_dq: expected a bool, got "
                              f"{self.mosaic_fused_dq!r}")
-        if self.mosaic_consumers not in (2, 3):
-            raise ValueError(f"config.mosaic_consumers: expected 2 or 3, got "
-                             f"{self.mosaic_consumers!r}")
+        for name in ("mosaic_consumers", "mosaic_bwd_consumers"):
+            if getattr(self, name) not in (2, 3):
+                raise ValueError(f"config.{name}: expected 2 or 3, got "
+                                 f"{getattr(self, name)!r}")
         if not isinstance(self.mosaic_stages, int) or self.mosaic_stages < 2:
             raise ValueError(f"config.mosaic_stages: expected an int >= 2, got "
                              f"{self.mosaic_stages!r}")
@@ -217,9 +237,10 @@ class KernelConfig:
         return narrow, wide
 
 
-def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None = None
-                   ) -> KernelConfig:
-    """Tuned defaults (H200 measurements, docs/kernel-notes.md).
+def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None = None,
+                   batch: int = 1) -> KernelConfig:
+    """Tuned defaults (H200 measurements, docs/kernel-notes.md); ``batch``: the call's batch
+    size (per device under ``shard_map``), which sets how many programs the kernels launch.
 
     Small tiles suit local heads (less work outside a narrow band, short loops). When every
     head is global all three kernels use longer tiles (128 query rows in the forward and dQ,
@@ -266,22 +287,33 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
         # n=32768; not in mixes, where it measured slower), H100 runs J-K, kernel-notes.md
         wide_head = head_dim > 64
         # three forward consumers (192-row tiles) when the global heads fill enough of them
-        # (per batch element). D=64 (run L): all global n=8192 1.330 -> 1.215 ms, n=32768
-        # 19.65 -> 17.53 ms; 1 global + 15 local 1.693 -> 1.583 ms at n=32768 (171 tiles),
-        # 0.562 -> 0.545 at n=16384 (86 tiles), but 0.214 -> 0.242 ms at n=8192 (43 tiles:
-        # too few programs for the GPU). D=128 (run Q; with statistics its tiles spill 28 bytes):
-        # all global n=8192 1.995 -> 1.671 ms, n=32768 29.28 -> 26.57 ms; 2 global + 14
-        # local n=32768 4.303 -> 3.911 (342 tiles), 1g15l n=16384 a tie (86), but at n=4096
-        # 0.196 -> 0.222 (22 tiles) and 0.199 -> 0.206 (44). H100, kernel-notes.md. Not
-        # measured above D=128 (a 128-register accumulator alone at D=256)
-        global_tiles = sum(global_flags) * (cdiv(seq_len, 3 * config.mosaic_block_q)
-                                            if seq_len else 0)
+        # (programs: batch x heads x tiles; B=4 below unless noted). D=64 (run L): all
+        # global n=8192 1.330 -> 1.215 ms, n=32768 19.65 -> 17.53 ms; 1 global + 15 local
+        # 1.693 -> 1.583 ms at n=32768 (171 tiles), 0.562 -> 0.545 at n=16384 (86 tiles),
+        # but 0.214 -> 0.242 ms at n=8192 (43 tiles: too few programs for the GPU). D=128
+        # (run Q; with statistics its tiles spill 28 bytes): all global n=8192 1.995 -> 1.671
+        # ms, n=32768 29.28 -> 26.57 ms; 2 global + 14 local n=32768 4.303 -> 3.911 (342
+        # tiles), 1g15l n=16384 a tie (86), but at n=4096 0.196 -> 0.222 (22 tiles) and
+        # 0.199 -> 0.206 (44). B=1 (run R): 1g15l n=32768 (171 tiles) 0.471 -> 0.553-0.560 at
+        # D=64, 0.681 -> 0.815-0.824 at D=128; 2g14l n=32768 (342) 0.746 -> 0.721-0.724,
+        # 1.127 -> 1.086-1.093. H100, kernel-notes.md. Not measured above D=128 (a
+        # 128-register accumulator alone at D=256)
+        global_programs = batch * sum(global_flags) * (
+            cdiv(seq_len, 3 * config.mosaic_block_q) if seq_len else 0)
         consumers = (3 if head_dim <= THREE_CONSUMER_MAX_HEAD_DIM
-                     and global_tiles >= THREE_CONSUMER_MIN_TILES else 2)
+                     and global_programs >= THREE_CONSUMER_MIN_PROGRAMS else 2)
+        # three backward consumers on 64-row blocks (160 registers each) against two on
+        # 128-row query blocks where the global heads fill enough programs. H100, run R, f+b:
+        # all global n=8192 5.053 -> 4.870 ms, n=32768 18.38 -> 17.98 (B=1); 1 global + 15
+        # local n=32768 6.500 -> 6.397, n=16384 2.078 -> 2.108 (kept on two: too few programs)
+        bwd_programs = batch * sum(global_flags) * (cdiv(seq_len, 3 * 64) if seq_len else 0)
+        bwd_consumers = (3 if head_dim <= THREE_BWD_CONSUMER_MAX_HEAD_DIM
+                         and bwd_programs >= THREE_BWD_CONSUMER_MIN_PROGRAMS else 2)
         config = dataclasses.replace(config, fwd_lowering=lowering, mosaic_consumers=consumers,
                                      bwd_lowering="triton" if short_narrow_mix else lowering,
-                                     mosaic_block_k=128,
-                                     mosaic_bwd_block_q=64 if wide_head else 128,
+                                     mosaic_block_k=128, mosaic_bwd_consumers=bwd_consumers,
+                                     mosaic_bwd_block_q=64 if wide_head or bwd_consumers == 3
+                                     else 128,
                                      mosaic_dq_block_k=128 if wide_head and all_global else 0)
     if (not all_global and head_dim == STRIP_HEAD_DIM and seq_len is not None
             and seq_len >= STRIP_MIN_SEQ_LEN):
@@ -418,10 +450,10 @@ class AttentionPlan:
 
 def make_plan(*, seq_len: int, head_dim: int, windows: WindowSizes, num_kv_heads: int,
               dtype, scale: float, config: KernelConfig | None, logit_stats: bool,
-              interpret: bool) -> AttentionPlan:
+              interpret: bool, batch: int = 1) -> AttentionPlan:
     """Validates ``config`` (default: ``default_config``), fits it to the sequence, pads."""
     if config is None:
-        config = default_config(dtype, head_dim, windows, seq_len)
+        config = default_config(dtype, head_dim, windows, seq_len, batch)
     config.validate()
     config = config.fit_to(seq_len)
     seq_len_padded = cdiv(seq_len, max(config.blocks())) * max(config.blocks())

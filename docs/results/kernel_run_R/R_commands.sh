@@ -33,3 +33,5 @@ timeout 300 python bench/attention.py --batch-size 1 --d 64,128 --n 16384,32768 
 # GPU tests outside the Mosaic cases (those ran in R3 on the same kernel code)
 timeout 150 python bench/attention.py --batch-size 1 --d 64,128 --n 16384,32768 --p 128 --mix 1g15l,2g14l --impl ours --no-bwd --reps 15
 timeout 330 python -P -m pytest -q -n 4 -m gpu tests/test_split.py tests/test_dispatch.py tests/test_generate.py tests/test_decode_kernel.py tests/test_pallas_gpu.py -k "not mosaic_forward_matches"
+# ---- call R8: the local heads on the Mosaic backward (grid, and with the fused dQ) against Triton
+timeout 420 python bench/attention.py --d 64 --n 8192,32768 --p 128 --mix 1g15l,local --impl ours --reps 8 --cfg "" --cfg bwd_lowering=mosaic --cfg bwd_lowering=mosaic,mosaic_fused_dq=true --cfg bwd_lowering=mixed,mosaic_fused_dq=true --cfg ""

@@ -43,7 +43,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import allowed, kv_block_range, q_block_range
 from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, F32_TRANSFORMS, TILE_TRANSFORMS,
-                                                   band_loops, interpreter_fits, launch, mma,
+                                                   band_loops, consumer_block,
+                                                   interpreter_fits, launch, mma,
                                                    produce, produce_kv, program_ids, ring_slot,
                                                    run_into, selected_heads, tile_allowed,
                                                    tile_iota, tile_union, zero_tile)
@@ -81,7 +82,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
     @pl.when(wg < consumers)
     def _consumer():
         plgpu.set_max_registers(consumer_registers, action="increase")
-        q_block = last_tile_clamped(consumers * tile + wg, num_q_blocks, consumers)
+        q_block = consumer_block(tile, wg, consumers, num_q_blocks)
         q_first = q_block * block_q
         rows = pl.ds(q_first, block_q)
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
@@ -185,7 +186,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     @pl.when(wg < consumers)
     def _consumer():
         plgpu.set_max_registers(consumer_registers, action="increase")
-        k_block = last_tile_clamped(consumers * tile + wg, num_k_blocks, consumers)
+        k_block = consumer_block(tile, wg, consumers, num_k_blocks)
         k_first = k_block * block_k
         cols = pl.ds(k_first, block_k)
         kv_head = lax.div(h, jnp.int32(group))
@@ -319,13 +320,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
         produce(union_first, union_end, stages, load,
                 lambda slot: plgpu.barrier_wait(free.at[slot]))
-
-
-def last_tile_clamped(block, num_blocks: int, consumers: int):
-    """A consumer's own block; in a last tile the blocks do not fill, its extra consumers
-    redo the last block (and store the same rows) rather than branch around the ring's
-    barriers (as in ``forward_mosaic.py``)."""
-    return block if num_blocks % consumers == 0 else jnp.minimum(block, num_blocks - 1)
 
 
 def _static(plan, q, k, heads, fused_dq: bool = False):

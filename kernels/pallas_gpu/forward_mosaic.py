@@ -49,10 +49,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import kv_block_range
 from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, TILE_TRANSFORMS, band_loops,
-                                                   interpreter_fits, launch, mma, produce_kv,
-                                                   program_ids, ring_slot, row_min,
-                                                   selected_heads, softmax_carry, softmax_step,
-                                                   store_rows, tile_allowed, tile_union)
+                                                   consumer_block, interpreter_fits, launch,
+                                                   mma, produce_kv, program_ids, ring_slot,
+                                                   row_min, selected_heads, softmax_carry,
+                                                   softmax_step, store_rows, tile_allowed,
+                                                   tile_union)
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, split_kv_loop
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
@@ -86,10 +87,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
     @pl.when(wg < consumers)
     def _consumer():
         plgpu.set_max_registers(consumer_registers, action="increase")
-        q_block = consumers * tile + wg
-        if num_q_blocks % consumers:  # a short last tile: its extra consumers redo the last
-            # block (and store the same rows) rather than branch around the ring's barriers
-            q_block = jnp.minimum(q_block, num_q_blocks - 1)
+        q_block = consumer_block(tile, wg, consumers, num_q_blocks)
         q_first = q_block * block_q
         q_smem = q_smem2.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_first, block_q), h], q_smem,

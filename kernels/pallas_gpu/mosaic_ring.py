@@ -194,6 +194,14 @@ def tile_union(block_range, tile, block_q: int, block_k: int, window, seq_len: i
     return first, end
 
 
+def consumer_block(tile, wg, consumers: int, num_blocks: int):
+    """The block consumer ``wg`` of ``tile`` owns, ``consumers * tile + wg``; in a last tile
+    the blocks do not fill, its extra consumers redo the last block (and store the same rows)
+    rather than branch around the ring's barriers."""
+    block = consumers * tile + wg
+    return block if num_blocks % consumers == 0 else jnp.minimum(block, num_blocks - 1)
+
+
 def band_loops(union_first, union_end, ranges, skip, step, carry):
     """A consumer's walk over the streamed blocks [union_first, union_end).
 

@@ -298,17 +298,17 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
         # D=64, 0.681 -> 0.815-0.824 at D=128; 2g14l n=32768 (342) 0.746 -> 0.721-0.724,
         # 1.127 -> 1.086-1.093. H100, kernel-notes.md. Not measured above D=128 (a
         # 128-register accumulator alone at D=256)
-        global_programs = batch * sum(global_flags) * (
-            cdiv(seq_len, 3 * config.mosaic_block_q) if seq_len else 0)
-        consumers = (3 if head_dim <= THREE_CONSUMER_MAX_HEAD_DIM
-                     and global_programs >= THREE_CONSUMER_MIN_PROGRAMS else 2)
+        def global_programs(block: int) -> int:  # of three-consumer tiles of these blocks
+            return batch * sum(global_flags) * (cdiv(seq_len, 3 * block) if seq_len else 0)
+
+        consumers = (3 if head_dim <= THREE_CONSUMER_MAX_HEAD_DIM and global_programs(
+            config.mosaic_block_q) >= THREE_CONSUMER_MIN_PROGRAMS else 2)
         # three backward consumers on 64-row blocks (160 registers each) against two on
         # 128-row query blocks where the global heads fill enough programs. H100, run R, f+b:
         # all global n=8192 5.053 -> 4.870 ms, n=32768 18.38 -> 17.98 (B=1); 1 global + 15
         # local n=32768 6.500 -> 6.397, n=16384 2.078 -> 2.108 (kept on two: too few programs)
-        bwd_programs = batch * sum(global_flags) * (cdiv(seq_len, 3 * 64) if seq_len else 0)
         bwd_consumers = (3 if head_dim <= THREE_BWD_CONSUMER_MAX_HEAD_DIM
-                         and bwd_programs >= THREE_BWD_CONSUMER_MIN_PROGRAMS else 2)
+                         and global_programs(64) >= THREE_BWD_CONSUMER_MIN_PROGRAMS else 2)
         config = dataclasses.replace(config, fwd_lowering=lowering, mosaic_consumers=consumers,
                                      bwd_lowering="triton" if short_narrow_mix else lowering,
                                      mosaic_block_k=128, mosaic_bwd_consumers=bwd_consumers,

@@ -3,19 +3,20 @@
 cuDNN takes one window for all heads of a call, so LS-attention becomes one call per distinct
 window (the global heads with ``is_causal=True``; each local group with
 ``local_window_size=(p - 1, 0)``, the same band as ``kernels.band``: keys i - p < j <= i), and
-the outputs are put back in head order. GQA key/value heads are expanded to the query heads
-first. cuDNN cannot emit logit statistics, so ``return_logit_stats`` costs one extra blockwise
-pass over QK^T.
+the outputs are put back in head order. Each call takes its heads as slices of runs of
+consecutive heads and its key/value heads as GQA where the group allows (``kernels/heads.py``:
+no gather; one call over every head takes the arrays as they are). cuDNN cannot emit logit
+statistics, so ``return_logit_stats`` costs one extra blockwise pass over QK^T.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ls_jax.kernels.band import is_global
-from ls_jax.kernels.reference import blockwise_max_abs_logit, repeat_kv
+from ls_jax.kernels.heads import kv_for_heads, merge_heads, take_heads
+from ls_jax.kernels.reference import blockwise_max_abs_logit
 
 
 def head_groups(window_sizes, seq_len: int) -> list[tuple[int | None, list[int]]]:
@@ -43,18 +44,15 @@ def cudnn_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_sta
     del interpret
     check_cudnn_inputs("cudnn", q, segment_ids)
     B, T, H, D = q.shape
-    k_BxTxHxD, v_BxTxHxD = repeat_kv(k, H), repeat_kv(v, H)
-    outs, order = [], []
+    outs, parts_heads = [], []
     for window, heads in head_groups(window_sizes, T):
-        idx = np.asarray(heads)
+        k_part, v_part = kv_for_heads(k, v, heads, H)
         local = None if window is None else (window - 1, 0)
         outs.append(jax.nn.dot_product_attention(
-            q[:, :, idx], k_BxTxHxD[:, :, idx], v_BxTxHxD[:, :, idx], scale=scale,
-            is_causal=True, local_window_size=local, implementation="cudnn"))
-        order.extend(heads)
-    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=2)
-    if order != sorted(order):
-        out = out[:, :, np.argsort(order)]
+            take_heads(q, heads), k_part, v_part, scale=scale, is_causal=True,
+            local_window_size=local, implementation="cudnn"))
+        parts_heads.append(heads)
+    out = merge_heads(outs, parts_heads)
     stats = None
     if return_logit_stats:
         stats = blockwise_max_abs_logit(q, k, window_sizes, None, scale)

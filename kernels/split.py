@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from ls_jax.kernels.band import WindowSizes, is_global
 from ls_jax.kernels.cudnn import check_cudnn_inputs
+from ls_jax.kernels.heads import kv_for_heads, merge_heads, take_heads
 from ls_jax.kernels.pallas_gpu import pallas_gpu_attention
 from ls_jax.kernels.reference import blockwise_max_abs_logit
 
@@ -47,59 +48,6 @@ def split_heads(window_sizes: WindowSizes, seq_len: int) -> tuple[list[int], lis
     glob = [h for h, p in enumerate(window_sizes) if is_global(p, seq_len)]
     local = [h for h, p in enumerate(window_sizes) if not is_global(p, seq_len)]
     return glob, local
-
-
-def _runs(indices) -> list[tuple[int, int]]:
-    """[(start, stop)] maximal runs of consecutive values in ``indices``, in order."""
-    runs: list[tuple[int, int]] = []
-    for i in indices:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
-
-
-def _take_heads(x_BxTxNxD, heads, axis: int = 2):
-    """x's heads ``heads`` (in that order) along ``axis``: slices of runs, one concatenate."""
-    if list(heads) == list(range(x_BxTxNxD.shape[axis])):
-        return x_BxTxNxD
-    parts = [jax.lax.slice_in_dim(x_BxTxNxD, a, b, axis=axis) for a, b in _runs(heads)]
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
-
-
-def _merge_heads(parts, heads_of_parts, axis: int = 2):
-    """The inverse of taking ``heads_of_parts[i]`` into ``parts[i]``: every head back at its
-    place along ``axis``, as one concatenate of runs (slices of the parts)."""
-    where = {}
-    for i, heads in enumerate(heads_of_parts):
-        for pos, h in enumerate(heads):
-            where[h] = (i, pos)
-    pieces: list[tuple[int, int, int]] = []  # (part, first position, stop position)
-    for h in range(len(where)):
-        i, pos = where[h]
-        if pieces and pieces[-1][0] == i and pieces[-1][2] == pos:
-            pieces[-1] = (i, pieces[-1][1], pos + 1)
-        else:
-            pieces.append((i, pos, pos + 1))
-    out = [parts[i] if (a, b) == (0, parts[i].shape[axis])
-           else jax.lax.slice_in_dim(parts[i], a, b, axis=axis) for i, a, b in pieces]
-    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=axis)
-
-
-def _kv_for_heads(k, v, heads, num_q_heads: int):
-    """(k, v) for the query heads ``heads`` (in order) of a call with ``num_q_heads`` query
-    heads: their kv groups kept whole where each touched kv head serves the same number of
-    ``heads``, else one kv head per query head (see the module docstring)."""
-    group = num_q_heads // k.shape[2]
-    kv_of = [h // group for h in heads]
-    touched = sorted(set(kv_of))
-    counts = {g: kv_of.count(g) for g in touched}
-    if len(set(counts.values())) == 1:
-        kv_heads = touched  # heads in order, so head i of the part reads touched[i // count]
-    else:
-        kv_heads = kv_of
-    return _take_heads(k, kv_heads), _take_heads(v, kv_heads)
 
 
 def _global_causal_attention(q, k, v, scale: float):
@@ -123,22 +71,22 @@ def split_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_sta
     glob, local = split_heads(window_sizes, T)
     outs, stats, parts_heads = [], [], []
     if glob:
-        q_g = _take_heads(q, glob)
-        k_g, v_g = _kv_for_heads(k, v, glob, H)
+        q_g = take_heads(q, glob)
+        k_g, v_g = kv_for_heads(k, v, glob, H)
         outs.append(_global_causal_attention(q_g, k_g, v_g, scale))
         if return_logit_stats:
             stats.append(blockwise_max_abs_logit(q_g, k_g, (None,) * len(glob), None, scale))
         parts_heads.append(glob)
     if local:
-        k_l, v_l = _kv_for_heads(k, v, local, H)
+        k_l, v_l = kv_for_heads(k, v, local, H)
         out_l, stats_l = pallas_gpu_attention(
-            _take_heads(q, local), k_l, v_l, tuple(window_sizes[h] for h in local),
+            take_heads(q, local), k_l, v_l, tuple(window_sizes[h] for h in local),
             scale=scale, return_logit_stats=return_logit_stats, config=config,
             interpret=interpret)
         outs.append(out_l)
         stats.append(stats_l)
         parts_heads.append(local)
-    out = _merge_heads(outs, parts_heads)
+    out = merge_heads(outs, parts_heads)
     if not return_logit_stats:
         return out, None
-    return out, _merge_heads([s.astype(jnp.float32) for s in stats], parts_heads, axis=0)
+    return out, merge_heads([s.astype(jnp.float32) for s in stats], parts_heads, axis=0)

@@ -12,6 +12,9 @@ Rows per (D, n):
   split         implementation="split": cuDNN causal for the global heads, ours for the local
                 ones (per p and head mix; --check compares it with cudnn_ls like ours)
   cudnn_causal  jax.nn.dot_product_attention(implementation="cudnn", is_causal=True), all heads
+  auto          ls_attention(implementation=None): what dispatch picks for the case (the
+                forward column: a call nothing differentiates; f+b: a differentiated one),
+                per p and head mix and on the all-global rows
   triton_mha    jax.experimental.pallas.ops.gpu.attention.mha(causal=True), all heads
 
 Timing: inputs are fresh normal bf16 arrays (never zeros), rotated among several sets when
@@ -124,6 +127,9 @@ def attention_fns(impl: str, windows, D: int, config: KernelConfig | None):
     elif impl == "split":
         def attn(q, k, v):
             return ls_attention(q, k, v, windows, scale=scale, implementation="split")
+    elif impl == "auto":
+        def attn(q, k, v):
+            return ls_attention(q, k, v, windows, scale=scale)
     elif impl == "cudnn_causal":
         def attn(q, k, v):
             return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
@@ -168,7 +174,7 @@ def measure(impl, windows, B, n, H, D, input_sets, args, config=None, flops_wind
     flops_windows = windows if flops_windows is None else flops_windows
     row = {"impl": impl, "fwd_ms": None, "fb_ms": None}
     try:
-        if args.check and (impl.startswith("ours") or impl == "split"):
+        if args.check and (impl.startswith("ours") or impl in ("split", "auto")):
             row["check"] = check_against_cudnn(fwd, fwd_bwd, windows, D, input_sets[0],
                                                args.no_bwd)
         row["fwd_ms"] = time_ms(fwd, input_sets, args.reps, args.warmup, args.batch)
@@ -219,7 +225,7 @@ def run_sweep(args):
             input_sets = make_input_sets(B, n, H, D, dtype, seed=n + D)
             causal = (None,) * H
             base = {"D": D, "n": n}
-            for impl in ("cudnn_causal", "triton_mha"):
+            for impl in ("cudnn_causal", "triton_mha", "auto"):
                 if impl in impls and not (impl == "triton_mha" and n > args.triton_max_n):
                     rows.append({**base, "p": "-", "mix": "causal",
                                  **measure(impl, causal, B, n, H, D, input_sets, args)})
@@ -235,7 +241,7 @@ def run_sweep(args):
                     if mix == "global":
                         continue
                     windows = head_windows(mix, H, p)
-                    for peer in ("cudnn_ls", "split"):
+                    for peer in ("cudnn_ls", "split", "auto"):
                         if peer in impls:
                             rows.append({**base, "p": p, "mix": mix,
                                          **measure(peer, windows, B, n, H, D, input_sets,
@@ -315,7 +321,7 @@ def main():
     ap.add_argument("--batch", type=int, default=5, help="back-to-back calls per sample")
     ap.add_argument("--no-bwd", action="store_true", help="forward only")
     ap.add_argument("--check", action="store_true",
-                    help="also check each ours and split row against the cuDNN composition "
+                    help="also check each ours, split and auto row against the cuDNN composition "
                          "(rel. error)")
     ap.add_argument("--triton-max-n", type=int, default=32768,
                     help="skip triton_mha above this n (it is slow)")

@@ -46,7 +46,9 @@ from ls_jax.kernels.dispatch import (
     IMPLEMENTATIONS,
     INTERPRET_IMPLEMENTATIONS,
     choose_implementation,
+    choose_primal_implementation,
 )
+from ls_jax.kernels.directional import directional_backend
 from ls_jax.kernels.reference import default_scale
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -182,7 +184,8 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
       scale: logit scale, default 1 / sqrt(D) (as in ``jax.nn.dot_product_attention``).
       return_logit_stats: also return ``LogitStats`` (no gradient flows through them).
       implementation: None (the fastest backend for the platform and the case,
-        ``kernels/dispatch.py``), "reference", "cudnn", "pallas_gpu", "pallas_tpu" or "split"
+        ``kernels/dispatch.py``; where the fastest forward alone is another backend, a call
+        that nothing differentiates runs that one, ``kernels/directional.py``), "reference", "cudnn", "pallas_gpu", "pallas_tpu" or "split"
         (cuDNN for the global heads, "pallas_gpu" for the local ones).
       interpret: run a Pallas backend in Pallas interpret mode (on CPU); for "split" its local
         heads' kernel (its global heads still need cuDNN). For "pallas_tpu" this may also be a
@@ -192,21 +195,25 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
       [B, T, Hq, D] in q's dtype, or ``(out, LogitStats)`` with ``return_logit_stats=True``.
     """
     windows, scale = validate_inputs(q, k, v, window_sizes, segment_ids, scale)
+    primal = implementation
     if implementation is None:
         if interpret:
             raise ValueError(
                 "interpret: True needs an explicit implementation, one of "
                 f"{INTERPRET_IMPLEMENTATIONS}; got implementation=None")
         B, T, H, D = q.shape
-        implementation = choose_implementation(
-            window_sizes=windows, seq_len=T, head_dim=D, dtype=q.dtype,
-            has_segments=segment_ids is not None, return_logit_stats=return_logit_stats)
+        case = dict(window_sizes=windows, seq_len=T, head_dim=D, dtype=q.dtype,
+                    has_segments=segment_ids is not None, return_logit_stats=return_logit_stats)
+        implementation = choose_implementation(**case)
+        primal = choose_primal_implementation(**case)
     elif interpret and implementation not in INTERPRET_IMPLEMENTATIONS:
         raise ValueError(
             "interpret: only the Pallas backends and 'split' (its local heads), "
             f"{INTERPRET_IMPLEMENTATIONS}, have an interpret mode; got interpret={interpret!r} "
             f"with implementation={implementation!r}")
     backend = get_backend(implementation)
+    if primal != implementation:  # a faster forward where nothing differentiates the call
+        backend = directional_backend(get_backend(primal), backend)
     out, max_abs_logit = backend(
         q, k, v, window_sizes=windows, segment_ids=segment_ids, scale=scale,
         return_logit_stats=return_logit_stats, interpret=interpret)

@@ -3,6 +3,7 @@ the platform: the per-case table on CUDA and no silent dense fallback elsewhere.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from ls_jax.kernels import DEFAULT_IMPLEMENTATION, default_implementation, ls_attention
@@ -119,8 +120,78 @@ def test_ls_attention_follows_the_rule(monkeypatch):
     ls_attention(q, q, q, (None, 4), implementation="reference")  # an explicit choice works
 
 
+@pytest.mark.parametrize("hopper", [True, False])
+@pytest.mark.parametrize("windows,changes,differentiated,primal_on_hopper", [
+    ((None,) * 4, {"seq_len": 8192}, "cudnn", "pallas_gpu"),  # our Hopper forward is faster
+    ((None,) * 4, {"seq_len": 8192, "head_dim": 128}, "cudnn", "pallas_gpu"),
+    ((None,) * 4, {"seq_len": 8192, "dtype": jnp.float16}, "cudnn", "pallas_gpu"),
+    ((None, 9000, None, None), {"seq_len": 8192}, "cudnn", "pallas_gpu"),  # p >= T: global
+    ((None,) * 4, {"seq_len": 8192, "head_dim": 96}, "cudnn", "cudnn"),  # no Hopper fwd at 96
+    ((None,) * 4, {"seq_len": 8192, "head_dim": 32}, "cudnn", "cudnn"),
+    ((None,) * 4, {"seq_len": dispatch.HOPPER_FORWARD_MIN_SEQ_LEN}, "cudnn", "pallas_gpu"),
+    ((None,) * 4, {"seq_len": dispatch.HOPPER_FORWARD_MIN_SEQ_LEN - 1}, "cudnn", "cudnn"),
+    # the cases cuDNN does not take, and LS mixes: one backend for both kinds of call
+    ((None,) * 4, {"seq_len": 8192, "return_logit_stats": True}, "pallas_gpu", "pallas_gpu"),
+    ((None,) * 4, {"seq_len": 8192, "has_segments": True}, "pallas_gpu", "pallas_gpu"),
+    ((None,) + (128,) * 15, {"seq_len": 8192}, "pallas_gpu", "pallas_gpu"),
+    ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 128}, "split", "pallas_gpu"),
+])
+def test_primal_table(hopper, windows, changes, differentiated, primal_on_hopper):
+    """Where nothing differentiates the call: our kernel instead of cuDNN for every-head-global
+    calls on Hopper at D a multiple of 64 from HOPPER_FORWARD_MIN_SEQ_LEN; otherwise the same
+    backend as a differentiated call. Off Hopper both are the differentiated choice ("split"
+    applies there only)."""
+    case = dict(window_sizes=windows, hopper=hopper, **{**CASE, **changes})
+    if hopper and differentiated == "split":
+        differentiated = "pallas_gpu"
+    assert choose_implementation("cuda", **case) == differentiated
+    want = primal_on_hopper if hopper else differentiated
+    assert dispatch.choose_primal_implementation("cuda", **case) == want
+    for platform, backend in (("cpu", "reference"), ("tpu", "pallas_tpu")):  # no case rule
+        assert dispatch.choose_primal_implementation(platform, **case) == backend
+
+
+def test_ls_attention_pairs_backends_by_direction(monkeypatch):
+    """On a (pretended) Hopper GPU, an all-global call runs "pallas_gpu" when nothing
+    differentiates it and "cudnn" forward and backward under jax.grad; an LS mix runs
+    "pallas_gpu" both ways. Stand-in backends scale the reference's output so that the numbers
+    show which one ran."""
+    from ls_jax.kernels.pallas_gpu import mosaic_ring
+
+    factors = {"pallas_gpu": 2.0, "cudnn": 3.0}
+    traced = []
+
+    def fake_get_backend(implementation):
+        def backend(q, k, v, **kw):
+            traced.append(implementation)
+            out, stats = reference_backend(q, k, v, **kw)
+            return out * factors[implementation], stats
+        return backend
+
+    monkeypatch.setattr(api, "get_backend", fake_get_backend)
+    monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
+    monkeypatch.setattr(mosaic_ring, "is_hopper", lambda: True)
+    q = jax.random.normal(jax.random.key(1), (1, 2048, 2, 64), jnp.bfloat16)
+    want = reference_backend(q, q, q, window_sizes=(None, None), segment_ids=None, scale=0.125,
+                             return_logit_stats=False, interpret=False)[0].astype(jnp.float32)
+
+    def f(q):
+        return ls_attention(q, q, q, (None, None))
+
+    out = jax.jit(f)(q)
+    assert traced == ["pallas_gpu"]
+    np.testing.assert_allclose(np.asarray(out, np.float32), 2 * np.asarray(want), rtol=0.02,
+                               atol=0.02)
+    traced.clear()
+    grad = jax.jit(jax.grad(lambda q: jnp.sum(f(q).astype(jnp.float32))))(q)
+    assert traced == ["cudnn"] and bool(jnp.all(jnp.isfinite(grad)))
+    traced.clear()
+    jax.jit(lambda q: ls_attention(q, q, q, (None, 128)))(q)  # a mix: one backend
+    assert traced == ["pallas_gpu"]
+
+
 @pytest.mark.gpu
-def test_cuda_default_runs_cudnn_for_all_global_and_matches_reference():
+def test_cuda_default_matches_reference():
     import numpy as np
 
     from ls_jax.kernels.reference import reference_attention_parts
@@ -133,3 +204,45 @@ def test_cuda_default_runs_cudnn_for_all_global_and_matches_reference():
         want = reference_attention_parts(*(x.astype(jnp.float32) for x in (q, k, v)), windows)[0]
         err = np.linalg.norm(np.asarray(out, np.float32) - want) / np.linalg.norm(want)
         assert err < 1e-2, (windows, err)
+
+
+@pytest.mark.gpu
+def test_cuda_all_global_runs_ours_forward_and_cudnn_under_grad():
+    """The primal row on the GPU: an all-global call's forward-only program holds our Mosaic
+    GPU kernel and no cuDNN call; its gradient program holds cuDNN's and none of ours; both
+    match the reference."""
+    from ls_jax.kernels.pallas_gpu.mosaic_ring import is_hopper
+    from ls_jax.kernels.reference import reference_attention_parts
+
+    if not is_hopper():
+        pytest.skip("the primal rule applies on Hopper GPUs only")
+    T = max(2048, dispatch.HOPPER_FORWARD_MIN_SEQ_LEN)
+    keys = jax.random.split(jax.random.key(2), 4)
+    q, k, v, w = (jax.random.normal(key, (2, T, 4, 64), jnp.bfloat16) for key in keys)
+    windows = (None,) * 4
+
+    def f(q, k, v):
+        return ls_attention(q, k, v, windows)
+
+    def loss(attend, q, k, v):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * w.astype(jnp.float32))
+
+    forward = jax.jit(f)
+    grad = jax.jit(jax.grad(lambda *qkv: loss(f, *qkv), argnums=(0, 1, 2)))
+    forward_hlo = forward.lower(q, k, v).as_text()
+    grad_hlo = grad.lower(q, k, v).as_text()
+    assert "mosaic_gpu" in forward_hlo and "cudnn" not in forward_hlo
+    assert "cudnn" in grad_hlo and "mosaic_gpu" not in grad_hlo
+
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+    want = reference_attention_parts(q32, k32, v32, windows)[0]
+    out = np.asarray(forward(q, k, v), np.float32)
+    assert np.linalg.norm(out - want) / np.linalg.norm(want) < 1e-2
+
+    def reference(q, k, v):
+        return reference_attention_parts(q, k, v, windows)[0]
+
+    want_grads = jax.grad(lambda *qkv: loss(reference, *qkv), argnums=(0, 1, 2))(q32, k32, v32)
+    for name, got, ref in zip("qkv", grad(q, k, v), want_grads):
+        got, ref = np.asarray(got, np.float32), np.asarray(ref)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2, name

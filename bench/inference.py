@@ -5,8 +5,10 @@ counts (the windows change no weight). Per model shape:
 
   LS p=50, LS p=128   1 global + (H-1) local heads; prefill through ls_attention's default
                       backend (pallas_gpu on GPU), decode through kernels.decode
-  MHSA                every head global; prefill through implementation="cudnn", decode through
-                      the same decode path with full-length caches
+  MHSA                every head global; prefill through the same default backend (cuDNN, or
+                      on Hopper at D a multiple of 64 our kernel, whose all-global forward is
+                      faster: kernels/dispatch.py), decode through the same decode path with
+                      full-length caches
 
 Measured:
   prefill   latency of one prompt chunk of T tokens (the whole prompt; cache writes and the
@@ -62,13 +64,11 @@ class Variant:
     name: str
     n_global: int | None  # None: all heads
     window: int
-    prefill_impl: str | None
 
 
 def variants(windows) -> list[Variant]:
-    on_gpu = jax.default_backend() == "gpu"
-    out = [Variant(f"LS p={p}", 1, p, None) for p in windows]
-    out.append(Variant("MHSA", None, max(windows), "cudnn" if on_gpu else None))
+    out = [Variant(f"LS p={p}", 1, p) for p in windows]
+    out.append(Variant("MHSA", None, max(windows)))
     return out
 
 
@@ -77,7 +77,7 @@ def make_model(shape: str, v: Variant, max_len: int, vocab: int, dtype: str) -> 
     cfg = ModelConfig(vocab_size=vocab, n_layer=L, d_model=d, n_head=H, head_dim=D,
                       n_global_heads=H if v.n_global is None else v.n_global, window=v.window,
                       max_seq_len=max_len, param_dtype=dtype, compute_dtype=dtype,
-                      attn_implementation=v.prefill_impl)
+                      attn_implementation=None)
     return Transformer(cfg, rngs=nnx.Rngs(params=0))
 
 
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
             info = {"shape": shape, "variant": v.name, "params": count_params(model)}
             for T in ints(args.seq_lens):
                 for B in ints(args.batches):
-                    row = dict(info, kind="prefill", impl=v.prefill_impl or "default",
+                    row = dict(info, kind="prefill", impl="default",
                                batch=B, T=T)
                     if not fits(model, B, T, budget):
                         row["skipped"] = "cache over --memory-budget-gib"

@@ -185,8 +185,9 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
       return_logit_stats: also return ``LogitStats`` (no gradient flows through them).
       implementation: None (the fastest backend for the platform and the case,
         ``kernels/dispatch.py``; where the fastest forward alone is another backend, a call
-        that nothing differentiates runs that one, ``kernels/directional.py``), "reference", "cudnn", "pallas_gpu", "pallas_tpu" or "split"
-        (cuDNN for the global heads, "pallas_gpu" for the local ones).
+        that nothing differentiates runs that one, ``kernels/directional.py``), "reference",
+        "cudnn", "pallas_gpu", "pallas_tpu" or "split" (cuDNN for the global heads,
+        "pallas_gpu" for the local ones).
       interpret: run a Pallas backend in Pallas interpret mode (on CPU); for "split" its local
         heads' kernel (its global heads still need cuDNN). For "pallas_tpu" this may also be a
         ``pltpu.InterpretParams``.

@@ -87,6 +87,64 @@ def case_kernel(impl: str):
     return out
 
 
+def case_directional():
+    """ls_attention_sharded with implementation=None on a (pretended) Hopper GPU, data x tensor
+    mesh, every head global: the forward alone runs the primal backend per shard, jax.grad the
+    differentiated one (its own forward and backward). Stand-ins scale the reference's output
+    (primal x2, differentiated x3) so the numbers tell which ran."""
+    from ls_jax.config import MeshConfig
+    from ls_jax.kernels import api, dispatch
+    from ls_jax.kernels.pallas_gpu import mosaic_ring
+    from ls_jax.kernels.reference import reference_backend
+    from ls_jax.kernels.sharded import ls_attention_sharded
+    from ls_jax.sharding import make_mesh
+    factors, traced = {"pallas_gpu": 2.0, "cudnn": 3.0}, []
+
+    def fake_get_backend(implementation):
+        def backend(q, k, v, **kw):
+            traced.append(implementation)
+            out, stats = reference_backend(q, k, v, **kw)
+            return out * factors[implementation], stats
+        return backend
+
+    api.get_backend = fake_get_backend
+    dispatch.current_platform = lambda: "cuda"
+    mosaic_ring.is_hopper = lambda: True
+    B, T, H, D = 4, dispatch.HOPPER_FORWARD_MIN_SEQ_LEN, 2, 64
+    kq, kk, kv, kd = jax.random.split(jax.random.key(2), 4)
+    q, k, v, do = (jax.random.normal(key, (B, T, H, D), jnp.bfloat16) for key in (kq, kk, kv, kd))
+    windows = (None, None)
+
+    def ref(q, k, v):
+        return reference_backend(q, k, v, window_sizes=windows, segment_ids=None,
+                                 scale=D ** -0.5, return_logit_stats=False,
+                                 interpret=False)[0].astype(jnp.float32)
+
+    def loss(attend, q, k, v):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+
+    def sharded(q, k, v):
+        return ls_attention_sharded(q, k, v, windows)
+
+    with jax.set_mesh(make_mesh(MeshConfig(data=4, tensor=2))):
+        out = jax.jit(sharded)(q, k, v)
+        forward_traced = list(traced)
+        traced.clear()
+        grads = jax.jit(jax.grad(lambda *qkv: loss(sharded, *qkv), argnums=(0, 1, 2)))(q, k, v)
+        grad_traced = list(traced)
+    want_grads = jax.grad(lambda *qkv: loss(ref, *qkv), argnums=(0, 1, 2))(q, k, v)
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    return {"forward_traced": sorted(set(forward_traced)),
+            "grad_traced": sorted(set(grad_traced)),
+            "out_vs_2ref": rel(out, 2 * ref(q, k, v)),
+            "grads_vs_3ref": max(rel(g, 3 * w) for g, w in zip(grads, want_grads)),
+            "out_spec": str(out.sharding.spec)}
+
+
 def _spec(x):
     return tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
 

@@ -108,6 +108,16 @@ def test_kernel_per_shard_matches_one_device():
     assert r["control_gathers"] >= 1
 
 
+def test_dispatch_by_direction_under_shard_map():
+    """implementation=None's pairing (kernels/directional.py) inside shard_map: per shard, the
+    forward-only program runs the primal backend and the gradient program the differentiated
+    one, output and gradients as on one device (stand-in backends, tests/mesh_cases.py)."""
+    r = _result(_start(8, "directional"))
+    assert r["forward_traced"] == ["pallas_gpu"] and r["grad_traced"] == ["cudnn"], r
+    assert r["out_vs_2ref"] < 1e-2 and r["grads_vs_3ref"] < 2e-2, r
+    assert r["out_spec"] == "P('data', None, 'tensor')", r
+
+
 def test_losses_and_shardings_on_every_mesh():
     """1 device vs 8-way data vs 2x4 data x fsdp vs 2x2x2 with tensor (reference), and 2x2x2
     with the Pallas GPU kernel in interpret mode: the same losses; params and optimizer moments

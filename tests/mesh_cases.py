@@ -98,16 +98,9 @@ def case_directional():
     from ls_jax.kernels.reference import reference_backend
     from ls_jax.kernels.sharded import ls_attention_sharded
     from ls_jax.sharding import make_mesh
-    factors, traced = {"pallas_gpu": 2.0, "cudnn": 3.0}, []
-
-    def fake_get_backend(implementation):
-        def backend(q, k, v, **kw):
-            traced.append(implementation)
-            out, stats = reference_backend(q, k, v, **kw)
-            return out * factors[implementation], stats
-        return backend
-
-    api.get_backend = fake_get_backend
+    from stand_in_backends import scaled_get_backend  # tests/, beside this script
+    traced = []
+    api.get_backend = scaled_get_backend({"pallas_gpu": 2.0, "cudnn": 3.0}, traced)
     dispatch.current_platform = lambda: "cuda"
     mosaic_ring.is_hopper = lambda: True
     B, T, H, D = 4, dispatch.HOPPER_FORWARD_MIN_SEQ_LEN, 2, 64

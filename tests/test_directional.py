@@ -9,21 +9,10 @@ import pytest
 
 from ls_jax.kernels.directional import directional_backend
 from ls_jax.kernels.reference import reference_backend
+from stand_in_backends import scaled_reference  # tests/, beside this file
 
 WINDOWS = (None, 3)
 OPTIONS = dict(window_sizes=WINDOWS, scale=0.5, interpret=False)
-
-
-def recording(name, factor, log):
-    """The reference backend with its output times ``factor``; appends ``name`` to ``log``
-    each time it is traced."""
-
-    def backend(q, k, v, **kw):
-        log.append(name)
-        out, stats = reference_backend(q, k, v, **kw)
-        return out * factor, stats
-
-    return backend
 
 
 def inputs():
@@ -32,7 +21,7 @@ def inputs():
 
 
 def make(log):
-    return directional_backend(recording("primal", 2.0, log), recording("diff", 1.0, log))
+    return directional_backend(scaled_reference("primal", 2.0, log), scaled_reference("diff", 1.0, log))
 
 
 def attend(backend, q, k, v, **kw):

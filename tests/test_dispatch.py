@@ -10,6 +10,7 @@ from ls_jax.kernels import DEFAULT_IMPLEMENTATION, default_implementation, ls_at
 from ls_jax.kernels import api, dispatch
 from ls_jax.kernels.dispatch import choose_implementation, current_platform
 from ls_jax.kernels.reference import reference_backend
+from stand_in_backends import scaled_get_backend  # tests/, beside this file
 
 CASE = dict(seq_len=1024, head_dim=64, dtype=jnp.bfloat16, has_segments=False,
             return_logit_stats=False)
@@ -158,17 +159,9 @@ def test_ls_attention_pairs_backends_by_direction(monkeypatch):
     show which one ran."""
     from ls_jax.kernels.pallas_gpu import mosaic_ring
 
-    factors = {"pallas_gpu": 2.0, "cudnn": 3.0}
     traced = []
-
-    def fake_get_backend(implementation):
-        def backend(q, k, v, **kw):
-            traced.append(implementation)
-            out, stats = reference_backend(q, k, v, **kw)
-            return out * factors[implementation], stats
-        return backend
-
-    monkeypatch.setattr(api, "get_backend", fake_get_backend)
+    monkeypatch.setattr(api, "get_backend",
+                        scaled_get_backend({"pallas_gpu": 2.0, "cudnn": 3.0}, traced))
     monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
     monkeypatch.setattr(mosaic_ring, "is_hopper", lambda: True)
     q = jax.random.normal(jax.random.key(1), (1, 2048, 2, 64), jnp.bfloat16)

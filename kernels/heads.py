@@ -5,7 +5,8 @@ and one concatenate, never a gather: XLA's gather, and the scatter-add that is i
 in the backward, cost far more than a copy (H100, run S: one cuDNN call over all 16 heads
 behind a gather of q, k, v took 5.84 ms forward+backward against 4.89 ms without it, n=8192,
 D=64). A group of every head in order is the array itself. Used by the cuDNN composition
-(``kernels/cudnn.py``) and "split" (``kernels/split.py``).
+(``kernels/cudnn.py``), "split" (``kernels/split.py``), the Pallas GPU backward's delta pass
+(``kernels/pallas_gpu/backward.py``) and the KV-cache attention path (``ls_jax/attention.py``).
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ def head_runs(indices) -> list[tuple[int, int]]:
 
 
 def take_heads(x_BxTxNxD, heads, axis: int = 2):
-    """x's heads ``heads`` (in that order) along ``axis``: slices of runs, one concatenate."""
+    """x's heads ``heads`` (in that order) along ``axis``: slices of runs, one concatenate
+    (no heads: an empty slice)."""
     if list(heads) == list(range(x_BxTxNxD.shape[axis])):
         return x_BxTxNxD
+    if not len(heads):
+        return jax.lax.slice_in_dim(x_BxTxNxD, 0, 0, axis=axis)
     parts = [jax.lax.slice_in_dim(x_BxTxNxD, a, b, axis=axis) for a, b in head_runs(heads)]
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=axis)
 

@@ -17,6 +17,7 @@ from flax import nnx
 
 from ls_jax.kernels import ls_attention, normalize_window_sizes
 from ls_jax.kernels.decode import cached_attention
+from ls_jax.kernels.heads import take_heads
 from ls_jax.kernels.sharded import ls_attention_sharded
 from ls_jax.kv_cache import (CacheLayout, LayerCache, global_positions, ring_positions,
                              update_ring, write_global)
@@ -135,11 +136,8 @@ class LSAttention(nnx.Module):
             q_BxCxHxD, k_BxCxGxD, positions_BxC, q_norm=self.q_norm, k_norm=self.k_norm,
             rope_theta=self.rope_theta, dtype=self.dtype)
 
-        def heads(x, idx):
-            return jnp.take(x, jnp.asarray(idx, jnp.int32), axis=2)
-
-        k_glob, v_glob = heads(k_BxCxGxD, layout.global_kv), heads(v_BxCxGxD, layout.global_kv)
-        k_loc, v_loc = heads(k_BxCxGxD, layout.local_kv), heads(v_BxCxGxD, layout.local_kv)
+        k_glob, v_glob = (take_heads(x, layout.global_kv) for x in (k_BxCxGxD, v_BxCxGxD))
+        k_loc, v_loc = (take_heads(x, layout.local_kv) for x in (k_BxCxGxD, v_BxCxGxD))
         if fresh and C <= cache.k_global.shape[1]:  # positions 0 .. C-1 in every row
             k_global = jax.lax.dynamic_update_slice(
                 cache.k_global, k_glob.astype(cache.k_global.dtype), (0, 0, 0, 0))
@@ -160,7 +158,7 @@ class LSAttention(nnx.Module):
         else:
             if C > 1 and decode_implementation == "pallas_gpu":  # that kernel: 1 query per row
                 decode_implementation = "xla"
-            q_sorted = heads(q_BxCxHxD, layout.q_order)
+            q_sorted = take_heads(q_BxCxHxD, layout.q_order)
             n_qg = len(layout.global_windows)
             q_pos_BxC = jnp.where(positions_BxC < new_lengths_B[:, None], positions_BxC, -1)
             parts = []
@@ -182,7 +180,7 @@ class LSAttention(nnx.Module):
                     q_sorted[:, :, n_qg:], k_read, v_read, q_pos_BxC, k_pos,
                     layout.local_windows, implementation=decode_implementation))
             out_sorted = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
-            out_BxCxHxD = heads(out_sorted, layout.q_inverse).astype(q_BxCxHxD.dtype)
+            out_BxCxHxD = take_heads(out_sorted, layout.q_inverse).astype(q_BxCxHxD.dtype)
         y_BxCxM = self.o_proj(out_BxCxHxD.reshape(B, C, self.n_head * self.head_dim))
         return y_BxCxM, LayerCache(k_global, v_global, k_local, v_local)
 

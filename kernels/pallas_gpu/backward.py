@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ls_jax.kernels.heads import merge_heads, take_heads
 from ls_jax.kernels.pallas_gpu.backward_mosaic import dkdv_call_mosaic, dq_call_mosaic
 from ls_jax.kernels.pallas_gpu.mosaic_ring import mosaic_fits
 from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, ClassPaths, TilePath
@@ -248,9 +249,10 @@ def row_delta(out, do, heads: tuple[int, ...] | None = None):
     if heads is None:
         return rowsum(out, do)
     B, Tp, H, _ = out.shape
-    index = jnp.asarray(heads, jnp.int32)
-    part = rowsum(jnp.take(out, index, axis=2), jnp.take(do, index, axis=2))
-    return jnp.zeros((B, H, Tp), jnp.float32).at[:, index].set(part)
+    others = [h for h in range(H) if h not in heads]
+    part = rowsum(take_heads(out, heads), take_heads(do, heads))
+    return merge_heads([part, jnp.zeros((B, len(others), Tp), jnp.float32)], [heads, others],
+                       axis=1)
 
 
 def dkdv_call(plan: AttentionPlan, q, k, v, segment_ids, do, lse2, delta, *, prefilled=None,
@@ -315,7 +317,8 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
             if fused:  # the global heads' dQ into a buffer the Triton kernel fills
                 *dkdv, dq_wide = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide,
                                                   fused_dq=True)
-                dq = lax.empty(q.shape, q.dtype).at[:, :, jnp.asarray(wide)].set(dq_wide)
+                rest = lax.empty((B, Tp, len(local), Dp), q.dtype)
+                dq = merge_heads([dq_wide, rest], [wide, local])
             else:
                 dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
                 dkdv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)

@@ -262,6 +262,7 @@ GPU_CASES = [
     (2, 1536, 6, 3, 32, (50,) * 6),
     (1, 1024, 4, 4, 64, (None,) * 4),
     (1, 1024, 2, 2, 128, (None,) * 2),   # D=128 all global: dQ on 128-key blocks
+    (2, 1000, 4, 2, 128, (50, 512, 1, 128)),  # D=128 every head local: the Mosaic backward
 ]
 
 
@@ -377,14 +378,22 @@ def mosaic_id(case):
 
 @pytest.mark.parametrize("dtype,D,windows,T,want", [
     (jnp.bfloat16, 64, (None,) * 4, 8192, ("mosaic", "mosaic")),
-    (jnp.bfloat16, 128, (None,) + (128,) * 15, 8192, ("mixed", "mixed")),
+    # D=128 (run T): the local heads' backward on Mosaic too, their forward from p=512
+    (jnp.bfloat16, 128, (None,) + (128,) * 15, 8192, ("mixed", "mosaic")),
+    (jnp.bfloat16, 128, (None, None) + (512,) * 14, 65536, ("mosaic", "mosaic")),
+    (jnp.bfloat16, 128, (None, 512, 300, 512), 4096, ("mixed", "mosaic")),  # one narrower
+    (jnp.bfloat16, 128, (128,) * 16, 8192, ("triton", "mosaic")),      # no global head
+    (jnp.bfloat16, 128, (512,) * 16, 8192, ("mosaic", "mosaic")),
+    (jnp.bfloat16, 128, (None,) * 4, 8192, ("mosaic", "mosaic")),
+    (jnp.float32, 128, (None,) + (512,) * 15, 8192, ("triton", "triton")),
     (jnp.bfloat16, 64, (None,) + (128,) * 15, 8192, ("mixed", "triton")),  # short D=64 mix
     (jnp.bfloat16, 64, (None,) + (128,) * 15, 32768, ("mixed", "mixed")),
     (jnp.bfloat16, 64, (128,) * 16, 32768, ("triton", "triton")),        # no global head
     (jnp.float32, 64, (None,) * 4, 8192, ("triton", "triton")),
 ])
 def test_default_lowerings(dtype, D, windows, T, want):
-    """Which kernels the defaults pick (the measured choices of run J, kernel-notes.md)."""
+    """Which kernels the defaults pick (the measured choices of runs J and T,
+    kernel-notes.md)."""
     from ls_jax.kernels.pallas_gpu import default_config
     config = default_config(dtype, D, windows, T)
     assert (config.fwd_lowering, config.bwd_lowering) == want
@@ -534,6 +543,7 @@ class TestMosaicInterpret:
         ("triton", 1, (None, 20, None)),        # the Mosaic forward, the Triton backward
         ("mosaic", 3, (None, 20, 64)),          # every head on the Mosaic backward
         ("mosaic", 1, (None, None, 130)),       # GQA: dK/dV per query head, summed
+        ("mosaic", 3, (20, 130, 1)),            # every head local (the D=128 default, run T)
         ("mosaic-q128dq128", 3, (None, 7, 100)),  # 128-row query, 128-key dQ blocks
         ("mixed", 3, (None, 20, None)),         # global heads Mosaic, local heads Triton
         # the same with every head's delta from one XLA pass (by default the Triton dQ
@@ -546,7 +556,8 @@ class TestMosaicInterpret:
         # redo the last block)
         ("mosaic-c3", 1, (None, 20, 130)),
         ("mixed-c3", 3, (None, 7, None)),
-    ], ids=["bwd-triton", "bwd-mosaic", "bwd-mosaic-mqa", "bwd-mosaic-q128dq128", "bwd-mixed",
+    ], ids=["bwd-triton", "bwd-mosaic", "bwd-mosaic-mqa", "bwd-mosaic-local",
+            "bwd-mosaic-q128dq128", "bwd-mixed",
             "bwd-mixed-xladelta", "bwd-mosaic-fused-mqa", "bwd-mixed-fused", "bwd-mosaic-c3-mqa",
             "bwd-mixed-c3"])
     def test_gradients_match_reference(self, bwd, Hkv, windows):

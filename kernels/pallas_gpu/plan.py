@@ -51,6 +51,14 @@ THREE_CONSUMER_MAX_HEAD_DIM = 128
 # (all global n=2048) 5.2%, 1408-2752 (all global n=4096-32768) 2.2-4.6% faster
 THREE_BWD_CONSUMER_MIN_PROGRAMS = 512
 THREE_BWD_CONSUMER_MAX_HEAD_DIM = 64
+# the head size at which the local heads run on the Hopper backward too (every head in one
+# Mosaic launch per backward kernel; runs T on an H100 and an H200, at D=128, kernel-notes.md;
+# at D=64 the Triton backward is faster, run R8) ...
+LOCAL_ON_MOSAIC_HEAD_DIM = 128
+# ... and on the Hopper forward when every local window is at least this wide (run T, D=128:
+# at p=512 the forward 8-22% faster than Triton's for the local heads; at p=128 a tie or
+# slower); narrower windows keep the Triton forward
+LOCAL_ON_MOSAIC_FWD_MIN_WINDOW = 512
 
 _BLOCK_FIELDS = ("fwd_block_q", "fwd_block_k", "dq_block_q", "dq_block_k", "dkdv_block_q",
                  "dkdv_block_k")
@@ -251,6 +259,8 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
     Global heads run on the Hopper (Mosaic GPU) kernels where they can (``fwd_lowering`` /
     ``bwd_lowering`` "mosaic" when every head is global, "mixed" in an LS mix; the Triton
     kernels elsewhere, see ``mosaic_ring.mosaic_fits``): H100 run J, docs/kernel-notes.md.
+    At D=128 the local heads run on the Hopper backward too, and on the Hopper forward when
+    every local window is >= ``LOCAL_ON_MOSAIC_FWD_MIN_WINDOW`` (run T).
     """
     if jnp.dtype(dtype) == jnp.float32:  # fp32 dots: small tiles, fewer stages
         return KernelConfig(fwd_block_q=64, fwd_block_k=32, dq_block_q=64, dq_block_k=32,
@@ -315,6 +325,19 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
                                      mosaic_bwd_block_q=64 if wide_head or bwd_consumers == 3
                                      else 128,
                                      mosaic_dq_block_k=128 if wide_head and all_global else 0)
+    if not all_global and head_dim == LOCAL_ON_MOSAIC_HEAD_DIM and window_sizes is not None:
+        # D=128: the local heads on the Hopper kernels too, the backward always, the forward
+        # from LOCAL_ON_MOSAIC_FWD_MIN_WINDOW. Run T, f+b ms, old default -> this one: H100,
+        # B=4: 1 global + 15 local n=4096 p=128 0.836 -> 0.724, p=512 1.263 -> 0.940; n=32768
+        # p=128 11.087 -> 10.838, p=512 14.505 -> 13.456; 2 global + 14 local n=32768 p=512
+        # 21.290 -> 19.990, n=65536 (B=1) 17.677 -> 17.015; 16 local heads n=8192 p=128 1.056
+        # -> 1.008, p=512 1.923 -> 1.610. A tie at 1 global + 15 local n=8192 p=128 (1.471 ->
+        # 1.469; H200 1.447 -> 1.396)
+        local_windows = [p for p, glob in zip(window_sizes, global_flags) if not glob]
+        wide_local = min(local_windows) >= LOCAL_ON_MOSAIC_FWD_MIN_WINDOW
+        config = dataclasses.replace(
+            config, bwd_lowering="mosaic",
+            fwd_lowering="mosaic" if wide_local else config.fwd_lowering)
     if (not all_global and head_dim == STRIP_HEAD_DIM and seq_len is not None
             and seq_len >= STRIP_MIN_SEQ_LEN):
         # the local heads' forward as strips (forward_strip.py; Triton where it does not run:

@@ -34,3 +34,6 @@ timeout 360 python -P -m pytest -v -n 4 -m gpu tests/test_pallas_gpu.py tests/te
 
 # T5 (H200): p=128, the forward's three options ("" = every head on Mosaic, run twice)
 timeout 170 python bench/attention.py --d 128 --n 8192,4096 --p 128 --mix 1g15l --impl ours --reps 10 --batch 3 --cfg "" --cfg fwd_lowering=mixed --cfg fwd_lowering=mixed,bwd_lowering=mixed --cfg ""
+
+# T6 (H200): the final rule's default-config D=128 GPU cases (output in docs/performance.md)
+timeout 170 python -P -m pytest -v -n 2 -m gpu tests/test_pallas_gpu.py -k "test_gpu_bf16_matches_reference and D128"

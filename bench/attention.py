@@ -20,7 +20,8 @@ Rows per (D, n):
 Timing: inputs are fresh normal bf16 arrays (never zeros), rotated among several sets when
 one set is small enough to sit in L2; each sample is the mean of ``--batch`` back-to-back calls
 (so host dispatch overlaps device work), and the table shows the median of ``--reps`` samples
-after ``--warmup`` calls.
+after ``--warmup`` calls. Each row is also printed as a JSON line when measured, and a sweep
+ended by SIGTERM (e.g. ``timeout``) or Ctrl-C prints the table of the rows it has, then exits 1.
 
 Examples:
   python bench/attention.py --d 64 --n 8192 --p 128 --mix 1g15l,global,local
@@ -37,6 +38,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -208,16 +210,28 @@ def fmt(x, digits=3):
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def run_sweep(args):
+class PrintedRows(list):
+    """The measured rows; each is printed (JSON) as it is appended."""
+
+    def append(self, row):
+        super().append(row)
+        print(json.dumps(row), flush=True)
+
+
+class Stopped(BaseException):
+    """A signal ended the sweep (e.g. ``timeout``'s SIGTERM); BaseException, so that
+    ``measure``'s per-row ``except Exception`` lets it through."""
+
+
+def _stop(signum, frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
+def run_sweep(args, rows: list) -> list:
+    """Measures every requested row into ``rows`` (in place, so that a sweep cut short keeps
+    the rows it measured) and returns it."""
     dtype = jnp.bfloat16
     B, H = args.batch_size, args.heads
-
-    class _Rows(list):  # every row printed as measured: a run cut short keeps what it had
-        def append(self, row):
-            super().append(row)
-            print(json.dumps(row), flush=True)
-
-    rows = _Rows()
     configs = args.cfg or [""]
     impls = args.impl.split(",")
     for D in (int(x) for x in args.d.split(",")):
@@ -335,8 +349,20 @@ def main():
     if args.memory:
         run_memory(args)
         return
-    rows = run_sweep(args)
+    # a sweep cut short by SIGTERM (``timeout``) or Ctrl-C still prints the table of the rows
+    # it measured, then exits non-zero
+    rows, stopped = PrintedRows(), None
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        run_sweep(args, rows)
+    except (Stopped, KeyboardInterrupt) as stop:
+        stopped = str(stop) or "SIGINT"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print_table(rows, args)
+    if stopped:
+        print(f"\nstopped by {stopped} after {len(rows)} rows: the table is partial", flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

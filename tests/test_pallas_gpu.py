@@ -760,8 +760,8 @@ def test_gpu_mosaic_forward_matches_reference(case):
         assert rel_err(g, w) < 1e-2, name
 
 
-def test_benchmark_cfg_overrides_take_ints_strings_and_flags(monkeypatch):
-    """bench/attention.py --cfg: digits become ints, true/false bools, the rest strings."""
+def _load_attention_benchmark(monkeypatch):
+    """bench/attention.py as a module."""
     import importlib.util
     import pathlib
 
@@ -771,9 +771,43 @@ def test_benchmark_cfg_overrides_take_ints_strings_and_flags(monkeypatch):
     bench = importlib.util.module_from_spec(spec)
     with warnings.catch_warnings():  # (it sets warning filters as it loads)
         spec.loader.exec_module(bench)
+    return bench
+
+
+def test_benchmark_cfg_overrides_take_ints_strings_and_flags(monkeypatch):
+    """bench/attention.py --cfg: digits become ints, true/false bools, the rest strings."""
+    bench = _load_attention_benchmark(monkeypatch)
     config = bench.parse_config("mosaic_fused_dq=true,mosaic_bwd_block_q=64,"
                                 "local_fwd_lowering=triton", jnp.bfloat16, 64, (None,) * 4, 8192)
     assert config.mosaic_fused_dq is True and config.mosaic_bwd_block_q == 64
     assert config.local_fwd_lowering == "triton"
     assert bench.parse_config("mosaic_fused_dq=False", jnp.bfloat16, 64, (None,) * 4,
                               8192).mosaic_fused_dq is False
+
+
+def test_benchmark_cut_short_by_sigterm_prints_its_rows(monkeypatch, capsys):
+    """A sweep that ``timeout`` ends (SIGTERM) prints the table of the rows it measured and
+    exits non-zero (run T lost two commands' rows to their timeouts); the handler is put back."""
+    import signal
+    import sys
+
+    bench = _load_attention_benchmark(monkeypatch)
+    row = {"D": 128, "n": 4096, "p": 512, "mix": "1g15l", "impl": "ours", "fwd_ms": 0.25,
+           "fb_ms": 0.75}
+
+    def sweep(args, rows):
+        rows.append(row)
+        signal.raise_signal(signal.SIGTERM)  # as `timeout` does
+        rows.append(dict(row, impl="never measured"))
+
+    monkeypatch.setattr(bench, "run_sweep", sweep)
+    monkeypatch.setattr(sys, "argv", ["attention.py"])
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    assert exit_info.value.code == 1
+    assert signal.getsignal(signal.SIGTERM) is before
+    out = capsys.readouterr().out
+    assert "| 128 | 4096 | 512 | 1g15l | ours | 0.250 |" in out
+    assert "never measured" not in out
+    assert "stopped by SIGTERM after 1 rows" in out

@@ -227,9 +227,9 @@ def _stop(signum, frame):
     raise Stopped(signal.Signals(signum).name)
 
 
-def run_sweep(args, rows: list) -> list:
+def run_sweep(args, rows: list) -> None:
     """Measures every requested row into ``rows`` (in place, so that a sweep cut short keeps
-    the rows it measured) and returns it."""
+    the rows it measured)."""
     dtype = jnp.bfloat16
     B, H = args.batch_size, args.heads
     configs = args.cfg or [""]
@@ -267,7 +267,6 @@ def run_sweep(args, rows: list) -> list:
                                 ours + (f"[{text}]" if text else ""), windows, B, n, H, D,
                                 input_sets, args, cfg)})
             del input_sets
-    return rows
 
 
 def print_table(rows, args):

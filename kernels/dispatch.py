@@ -97,6 +97,14 @@ def split_fits(window_sizes: WindowSizes, seq_len: int, head_dim: int, dtype,
             and n_global >= SPLIT_MIN_GLOBAL_SHARE * len(window_sizes))
 
 
+def _runs_hopper_kernels(hopper: bool | None) -> bool:
+    """``hopper`` as given, or (None) whether this process's GPU runs our Hopper kernels."""
+    if hopper is None:
+        from ls_jax.kernels.pallas_gpu.mosaic_ring import is_hopper
+        return is_hopper()
+    return hopper
+
+
 def choose_implementation(platform: str | None = None, *, window_sizes: WindowSizes | None = None,
                           seq_len: int | None = None, head_dim: int | None = None, dtype=None,
                           has_segments: bool = False, return_logit_stats: bool = False,
@@ -118,10 +126,7 @@ def choose_implementation(platform: str | None = None, *, window_sizes: WindowSi
         case = (window_sizes, seq_len, head_dim, dtype, has_segments, return_logit_stats)
         if cudnn_fits(*case):
             return "cudnn"
-        if hopper is None:
-            from ls_jax.kernels.pallas_gpu.mosaic_ring import is_hopper
-            hopper = is_hopper()
-        if not hopper and split_fits(*case):
+        if not _runs_hopper_kernels(hopper) and split_fits(*case):
             return "split"
     return implementation
 
@@ -141,9 +146,6 @@ def choose_primal_implementation(platform: str | None = None, *,
         has_segments=has_segments, return_logit_stats=return_logit_stats, hopper=hopper)
     if (implementation == "cudnn" and head_dim % HOPPER_FORWARD_HEAD_DIM_MULTIPLE == 0
             and seq_len >= HOPPER_FORWARD_MIN_SEQ_LEN):
-        if hopper is None:
-            from ls_jax.kernels.pallas_gpu.mosaic_ring import is_hopper
-            hopper = is_hopper()
-        if hopper:
+        if _runs_hopper_kernels(hopper):
             return "pallas_gpu"
     return implementation

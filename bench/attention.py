@@ -30,6 +30,8 @@ Examples:
   python bench/attention.py --check --d 128 --n 32768,65536 --p 128,512 --mix 2g14l,1g15l
       --impl ours,split,cudnn_ls
   python bench/attention.py --cfg fwd_block_k=128,fwd_num_warps=8 --cfg fwd_block_k=64
+  # grouped-query attention, 4 key/value heads for 16 query heads:
+  python bench/attention.py --d 128 --n 8192 --p 512 --mix 1g15l --kv-heads 4 --impl ours,cudnn_ls
 """
 
 from __future__ import annotations
@@ -91,13 +93,16 @@ def parse_config(text: str, dtype, head_dim: int, windows, seq_len: int,
     return dataclasses.replace(base, **updates)
 
 
-def make_input_sets(B, n, H, D, dtype, seed):
-    set_bytes = 4 * B * n * H * D * jnp.dtype(dtype).itemsize
+def make_input_sets(B, n, H, D, dtype, seed, kv_heads=None):
+    """Sets of (q, k, v, do): q and do [B, n, H, D], k and v [B, n, kv_heads, D] (None: H)."""
+    Hkv = H if kv_heads is None else kv_heads
+    set_bytes = 2 * B * n * (H + Hkv) * D * jnp.dtype(dtype).itemsize
     num_sets = 3 if set_bytes < 4 * L2_BYTES else 1
     sets = []
     for s in range(num_sets):
         keys = jax.random.split(jax.random.key(seed + s), 4)
-        sets.append(tuple(jax.random.normal(kk, (B, n, H, D), dtype) for kk in keys))
+        sets.append(tuple(jax.random.normal(kk, (B, n, heads, D), dtype)
+                          for kk, heads in zip(keys, (H, Hkv, Hkv, H))))
     jax.block_until_ready(sets)
     return sets
 
@@ -172,6 +177,7 @@ def check_against_cudnn(fwd, fwd_bwd, windows, D, inputs, no_bwd: bool) -> str:
 
 
 def measure(impl, windows, B, n, H, D, input_sets, args, config=None, flops_windows=None):
+    Hkv = input_sets[0][1].shape[2]
     fwd, fwd_bwd = attention_fns(impl, windows, D, config)
     flops_windows = windows if flops_windows is None else flops_windows
     row = {"impl": impl, "fwd_ms": None, "fb_ms": None}
@@ -181,27 +187,31 @@ def measure(impl, windows, B, n, H, D, input_sets, args, config=None, flops_wind
                                                args.no_bwd)
         row["fwd_ms"] = time_ms(fwd, input_sets, args.reps, args.warmup, args.batch)
         row["fwd_tfs"] = band_flops(B, n, flops_windows, D) / row["fwd_ms"] / 1e9
-        row["fwd_floor_pct"] = floor_pct(row["fwd_ms"], B, n, H, D, flops_windows, False)
+        row["fwd_floor_pct"] = floor_pct(row["fwd_ms"], B, n, H, D, flops_windows, False,
+                                         Hkv)
         if not args.no_bwd:
             row["fb_ms"] = time_ms(fwd_bwd, input_sets, args.reps, args.warmup, args.batch)
             row["fb_tfs"] = band_flops(B, n, flops_windows, D, backward=True) / row["fb_ms"] / 1e9
-            row["fb_floor_pct"] = floor_pct(row["fb_ms"], B, n, H, D, flops_windows, True)
+            row["fb_floor_pct"] = floor_pct(row["fb_ms"], B, n, H, D, flops_windows, True,
+                                            Hkv)
     except Exception as e:  # a peer that fails at a size is reported, not fatal
         row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     return row
 
 
-def floor_pct(ms, B, n, H, D, windows, backward: bool) -> float | None:
+def floor_pct(ms, B, n, H, D, windows, backward: bool, kv_heads=None) -> float | None:
     """100 x the floor's time over the measured time. The floor is the larger of the band's
     FLOPs at the card's dense bf16 peak and the bytes that must move at its HBM bandwidth
     (bf16 q, k, v read and o written once; the backward also reads q, k, v, o, do and writes
-    dq, dk, dv). None on a card not in bench/hardware.py."""
+    dq, dk, dv; k, v, dk and dv have ``kv_heads`` heads, None: H). None on a card not in
+    bench/hardware.py."""
     found = peaks(jax.devices()[0].device_kind)
     if found is None:
         return None
     flops_s, bytes_s = found
-    tensor_bytes = B * n * H * D * 2
-    moved = tensor_bytes * (12 if backward else 4)
+    Hkv = H if kv_heads is None else kv_heads
+    # forward: q, o and k, v; the backward adds q, o, do, dq and k, v, dk, dv
+    moved = B * n * (H + Hkv) * D * 2 * (6 if backward else 2)
     floor_s = max(band_flops(B, n, windows, D, backward=backward) / flops_s, moved / bytes_s)
     return 100.0 * floor_s / (ms / 1e3)
 
@@ -231,12 +241,12 @@ def run_sweep(args, rows: list) -> None:
     """Measures every requested row into ``rows`` (in place, so that a sweep cut short keeps
     the rows it measured)."""
     dtype = jnp.bfloat16
-    B, H = args.batch_size, args.heads
+    B, H, Hkv = args.batch_size, args.heads, args.kv_heads or args.heads
     configs = args.cfg or [""]
     impls = args.impl.split(",")
     for D in (int(x) for x in args.d.split(",")):
         for n in (int(x) for x in args.n.split(",")):
-            input_sets = make_input_sets(B, n, H, D, dtype, seed=n + D)
+            input_sets = make_input_sets(B, n, H, D, dtype, seed=n + D, kv_heads=Hkv)
             causal = (None,) * H
             base = {"D": D, "n": n}
             for impl in ("cudnn_causal", "triton_mha", "auto"):
@@ -272,8 +282,8 @@ def run_sweep(args, rows: list) -> None:
 def print_table(rows, args):
     device = jax.devices()[0].device_kind
     print(f"\n## {device}, {datetime.date.today()}, jax {jax.__version__}, bf16, "
-          f"B={args.batch_size} Hq={args.heads} (Hkv=Hq), median of {args.reps} samples x "
-          f"{args.batch} calls")
+          f"B={args.batch_size} Hq={args.heads} Hkv={args.kv_heads or args.heads}, "
+          f"median of {args.reps} samples x {args.batch} calls")
     print("| D | n | p | heads | impl | fwd ms | fwd TF/s | fwd % floor | f+b ms | f+b TF/s | "
           "f+b % floor | note |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -329,6 +339,8 @@ def main():
                          " repeat to compare variants")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=0,
+                    help="key/value heads (GQA; 0: as many as --heads); must divide --heads")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=5, help="back-to-back calls per sample")
@@ -342,6 +354,12 @@ def main():
     ap.add_argument("--memory-n", type=int, default=131072)
     ap.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.kv_heads < 0 or (args.kv_heads and args.heads % args.kv_heads):
+        ap.error(f"--kv-heads: expected 0 or a divisor of --heads ({args.heads}), "
+                 f"got {args.kv_heads}")
+    if args.kv_heads and "triton_mha" in args.impl.split(","):
+        ap.error("--kv-heads: triton_mha takes one kv head per query head; leave it out of "
+                 "--impl")
     if args.memory_child:
         memory_child(args.memory_child, args.memory_n, args)
         return

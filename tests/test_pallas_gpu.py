@@ -811,3 +811,28 @@ def test_benchmark_cut_short_by_sigterm_prints_its_rows(monkeypatch, capsys):
     assert "| 128 | 4096 | 512 | 1g15l | ours | 0.250 |" in out
     assert "never measured" not in out
     assert "stopped by SIGTERM after 1 rows" in out
+
+
+def test_benchmark_gqa_inputs_and_floor_bytes(monkeypatch, capsys):
+    """bench/attention.py --kv-heads: k and v get the kv heads, the floor counts their bytes
+    (by hand: B=1, n=64, D=16 bf16, a q-sized tensor 16 KiB at 8 heads, a kv-sized 4 KiB at 2;
+    forward q, o, k, v; the backward adds q, o, do, dq, k, v, dk, dv), and a count that does
+    not divide --heads is refused with one line."""
+    import sys
+
+    bench = _load_attention_benchmark(monkeypatch)
+    sets = bench.make_input_sets(1, 64, 8, 16, jnp.bfloat16, seed=0, kv_heads=2)
+    assert [x.shape for x in sets[0]] == [(1, 64, 8, 16), (1, 64, 2, 16), (1, 64, 2, 16),
+                                          (1, 64, 8, 16)]
+    monkeypatch.setattr(bench, "peaks", lambda kind: (1e30, 1e9))  # memory bound: bytes / 1e9
+    ms = 1e3 * 40960 / 1e9  # the forward's bytes: 2 x 16384 + 2 x 4096
+    assert bench.floor_pct(ms, 1, 64, 8, 16, (None,) * 8, False, 2) == pytest.approx(100)
+    assert bench.floor_pct(ms, 1, 64, 8, 16, (None,) * 8, True, 2) == pytest.approx(300)
+    # one kv head per query head: 4 q-sized tensors forward, 12 with the backward
+    assert bench.floor_pct(ms, 1, 64, 8, 16, (None,) * 8, True) == pytest.approx(
+        100 * 12 * 16384 / 40960)
+    monkeypatch.setattr(sys, "argv", ["attention.py", "--heads", "16", "--kv-heads", "5"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    assert exit_info.value.code == 2
+    assert "--kv-heads: expected 0 or a divisor of --heads (16), got 5" in capsys.readouterr().err

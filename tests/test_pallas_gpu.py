@@ -262,7 +262,10 @@ GPU_CASES = [
     (2, 1536, 6, 3, 32, (50,) * 6),
     (1, 1024, 4, 4, 64, (None,) * 4),
     (1, 1024, 2, 2, 128, (None,) * 2),   # D=128 all global: dQ on 128-key blocks
-    (2, 1000, 4, 2, 128, (50, 512, 1, 128)),  # D=128 every head local: the Mosaic backward
+    (2, 1000, 4, 4, 128, (50, 512, 1, 128)),  # D=128 every head local: the Mosaic backward
+    # D=128, GQA, local windows >= 256: every head on the Hopper forward with three consumers
+    # (8 x 16 heads x 9 tiles of 192 rows: 1152 programs) and on the Hopper backward
+    (8, 1550, 16, 4, 128, (None, 256, 512, 300, None, 1549, 700) + (256,) * 9),
 ]
 
 
@@ -376,26 +379,34 @@ def mosaic_id(case):
     return f"B{B}-T{T}-H{Hq}/{Hkv}-D{D}-w{'_'.join(map(str, windows))}-t{tiles}"
 
 
-@pytest.mark.parametrize("dtype,D,windows,T,want", [
-    (jnp.bfloat16, 64, (None,) * 4, 8192, ("mosaic", "mosaic")),
-    # D=128 (run T): the local heads' backward on Mosaic too, their forward from p=512
-    (jnp.bfloat16, 128, (None,) + (128,) * 15, 8192, ("mixed", "mosaic")),
-    (jnp.bfloat16, 128, (None, None) + (512,) * 14, 65536, ("mosaic", "mosaic")),
-    (jnp.bfloat16, 128, (None, 512, 300, 512), 4096, ("mixed", "mosaic")),  # one narrower
-    (jnp.bfloat16, 128, (128,) * 16, 8192, ("triton", "mosaic")),      # no global head
-    (jnp.bfloat16, 128, (512,) * 16, 8192, ("mosaic", "mosaic")),
-    (jnp.bfloat16, 128, (None,) * 4, 8192, ("mosaic", "mosaic")),
-    (jnp.float32, 128, (None,) + (512,) * 15, 8192, ("triton", "triton")),
-    (jnp.bfloat16, 64, (None,) + (128,) * 15, 8192, ("mixed", "triton")),  # short D=64 mix
-    (jnp.bfloat16, 64, (None,) + (128,) * 15, 32768, ("mixed", "mixed")),
-    (jnp.bfloat16, 64, (128,) * 16, 32768, ("triton", "triton")),        # no global head
-    (jnp.float32, 64, (None,) * 4, 8192, ("triton", "triton")),
+@pytest.mark.parametrize("dtype,D,windows,T,kv_heads,want", [
+    (jnp.bfloat16, 64, (None,) * 4, 8192, None, ("mosaic", "mosaic")),
+    # D=128 (runs T-U): the local heads' backward on Mosaic too, their forward from p=256
+    (jnp.bfloat16, 128, (None,) + (128,) * 15, 8192, None, ("mixed", "mosaic")),
+    (jnp.bfloat16, 128, (None, None) + (512,) * 14, 65536, None, ("mosaic", "mosaic")),
+    (jnp.bfloat16, 128, (None,) + (256,) * 15, 8192, None, ("mosaic", "mosaic")),
+    (jnp.bfloat16, 128, (None, 512, 255, 512), 4096, None, ("mixed", "mosaic")),  # one narrower
+    (jnp.bfloat16, 128, (128,) * 16, 8192, None, ("triton", "mosaic")),      # no global head
+    (jnp.bfloat16, 128, (512,) * 16, 8192, None, ("mosaic", "mosaic")),
+    (jnp.bfloat16, 128, (None,) * 4, 8192, None, ("mosaic", "mosaic")),
+    # GQA at D=128: narrow windows keep the Triton backward ("mixed" with GQA), wide ones
+    # take both Hopper kernels (run U); one kv head per query head counts as no GQA
+    (jnp.bfloat16, 128, (None,) + (128,) * 15, 8192, 4, ("mixed", "mixed")),
+    (jnp.bfloat16, 128, (128,) * 16, 8192, 4, ("triton", "triton")),
+    (jnp.bfloat16, 128, (None,) + (512,) * 15, 8192, 4, ("mosaic", "mosaic")),
+    (jnp.bfloat16, 128, (None,) + (128,) * 15, 8192, 16, ("mixed", "mosaic")),
+    (jnp.float32, 128, (None,) + (512,) * 15, 8192, None, ("triton", "triton")),
+    (jnp.bfloat16, 64, (None,) + (128,) * 15, 8192, None, ("mixed", "triton")),  # short mix
+    (jnp.bfloat16, 64, (None,) + (128,) * 15, 32768, None, ("mixed", "mixed")),
+    (jnp.bfloat16, 64, (None,) + (128,) * 15, 32768, 4, ("mixed", "mixed")),
+    (jnp.bfloat16, 64, (128,) * 16, 32768, None, ("triton", "triton")),      # no global head
+    (jnp.float32, 64, (None,) * 4, 8192, None, ("triton", "triton")),
 ])
-def test_default_lowerings(dtype, D, windows, T, want):
-    """Which kernels the defaults pick (the measured choices of runs J and T,
+def test_default_lowerings(dtype, D, windows, T, kv_heads, want):
+    """Which kernels the defaults pick (the measured choices of runs J, T and U,
     kernel-notes.md)."""
     from ls_jax.kernels.pallas_gpu import default_config
-    config = default_config(dtype, D, windows, T)
+    config = default_config(dtype, D, windows, T, num_kv_heads=kv_heads)
     assert (config.fwd_lowering, config.bwd_lowering) == want
 
 
@@ -487,6 +498,12 @@ def test_default_consumers_follow_the_batch():
     (128, (None,) * 2 + (128,) * 14, 4096, 4, 2),  # 4 x 2 x 22 (measured slower, run Q)
     (128, (None,) * 2 + (128,) * 14, 32768, 4, 3),  # 4 x 2 x 171 (measured faster)
     (128, (None,) * 2 + (128,) * 14, 16384, 1, 2),  # 2 x 86 (measured slower, run R)
+    # D=128 local windows >= 256 share the launch: every head's tiles count (run U)
+    (128, (None,) + (512,) * 15, 8192, 4, 3),  # 4 x 16 x 43 (measured faster; 4 x 43 global)
+    (128, (None,) * 2 + (256,) * 14, 4096, 4, 3),  # 4 x 16 x 22 (4 x 2 x 22 global)
+    (128, (512,) * 16, 8192, 4, 3),           # no global head
+    (128, (None,) + (512,) * 15, 4096, 1, 2),  # 16 x 22 (measured a tie to slower)
+    (128, (None,) + (512,) * 15, 6144, 1, 2),  # 16 x 32 = 512 < 1024
     (256, (None,) * 16, 8192, 4, 2),          # not measured: a 128-register accumulator
 ])
 def test_default_forward_consumers(D, windows, T, B, want):

@@ -41,6 +41,10 @@ SHORT_MIX_TRITON_BWD = 8192
 # 86-172: 17-22%); 342-2752 programs 3-11% faster (B=1 2 global + 14 local n=32768, 342: 3%)
 # or a tie (B=4 1g15l D=128 n=16384, 344), 1408 once 3% slower (all global n=4096)
 THREE_CONSUMER_MIN_PROGRAMS = 256
+# ... and from this many programs when the local heads share the launch (D=128, windows >=
+# LOCAL_ON_MOSAIC_FWD_MIN_WINDOW; batch x every head x tiles). Run U, H100, p=256-512:
+# 1408-2752 programs forward 7-24% faster, f+b 1-10%; 352 (B=1 n=4096) a tie to 9% slower
+EVERY_HEAD_THREE_CONSUMER_MIN_PROGRAMS = 1024
 # ... and up to this head size (measured at 64 and 128, run Q)
 THREE_CONSUMER_MAX_HEAD_DIM = 128
 # the Hopper backward's three consumers (64-row blocks: tiles of 192 rows or keys): at D <= 64
@@ -55,10 +59,12 @@ THREE_BWD_CONSUMER_MAX_HEAD_DIM = 64
 # Mosaic launch per backward kernel; runs T on an H100 and an H200, at D=128, kernel-notes.md;
 # at D=64 the Triton backward is faster, run R8) ...
 LOCAL_ON_MOSAIC_HEAD_DIM = 128
-# ... and on the Hopper forward when every local window is at least this wide (run T, D=128:
+# ... and on the Hopper forward when every local window is at least this wide (D=128. Run T:
 # at p=512 the forward 8-28% faster than with the Triton forward for the local heads; at
-# p=128 from 0.69x to 1.15x its speed); narrower windows keep the Triton forward
-LOCAL_ON_MOSAIC_FWD_MIN_WINDOW = 512
+# p=128 from 0.69x to 1.15x its speed. Run U, H100, B=4, p=256, against the Triton forward
+# for the local heads: n=4096-8192 forward 1.11-1.24x, f+b 1.03-1.10x; n=32768 forward
+# 1.03-1.07x, f+b 0.996-1.04x); narrower windows keep the Triton forward
+LOCAL_ON_MOSAIC_FWD_MIN_WINDOW = 256
 
 _BLOCK_FIELDS = ("fwd_block_q", "fwd_block_k", "dq_block_q", "dq_block_k", "dkdv_block_q",
                  "dkdv_block_k")
@@ -246,9 +252,10 @@ class KernelConfig:
 
 
 def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None = None,
-                   batch: int = 1) -> KernelConfig:
+                   batch: int = 1, num_kv_heads: int | None = None) -> KernelConfig:
     """Tuned defaults (H200 measurements, docs/kernel-notes.md); ``batch``: the call's batch
-    size (per device under ``shard_map``), which sets how many programs the kernels launch.
+    size (per device under ``shard_map``), which sets how many programs the kernels launch;
+    ``num_kv_heads``: the key/value heads (None: one per query head).
 
     Small tiles suit local heads (less work outside a narrow band, short loops). When every
     head is global all three kernels use longer tiles (128 query rows in the forward and dQ,
@@ -259,14 +266,20 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
     Global heads run on the Hopper (Mosaic GPU) kernels where they can (``fwd_lowering`` /
     ``bwd_lowering`` "mosaic" when every head is global, "mixed" in an LS mix; the Triton
     kernels elsewhere, see ``mosaic_ring.mosaic_fits``): H100 run J, docs/kernel-notes.md.
-    At D=128 the local heads run on the Hopper backward too, and on the Hopper forward when
-    every local window is >= ``LOCAL_ON_MOSAIC_FWD_MIN_WINDOW`` (run T).
+    At D=128 the local heads run on the Hopper forward and backward when every local window is
+    >= ``LOCAL_ON_MOSAIC_FWD_MIN_WINDOW``, and on the Hopper backward alone for narrower
+    windows unless the query heads share key/value heads (runs T-U).
     """
     if jnp.dtype(dtype) == jnp.float32:  # fp32 dots: small tiles, fewer stages
         return KernelConfig(fwd_block_q=64, fwd_block_k=32, dq_block_q=64, dq_block_k=32,
                             dkdv_block_q=32, dkdv_block_k=64, fwd_num_stages=2,
                             bwd_num_stages=2)
     config = KernelConfig()
+
+    def three_consumer_programs(num_heads: int, block: int) -> int:
+        """Programs of the Hopper forward over ``num_heads`` heads in three-consumer tiles."""
+        return batch * num_heads * (cdiv(seq_len, 3 * block) if seq_len else 0)
+
     # per head: global? (unknown windows count as one global head)
     global_flags = [True] if window_sizes is None else [
         p is None or (seq_len is not None and is_global(p, seq_len)) for p in window_sizes]
@@ -309,7 +322,7 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
         # 1.127 -> 1.086-1.093. H100, kernel-notes.md. Not measured above D=128 (a
         # 128-register accumulator alone at D=256)
         def global_programs(block: int) -> int:  # of three-consumer tiles of these blocks
-            return batch * sum(global_flags) * (cdiv(seq_len, 3 * block) if seq_len else 0)
+            return three_consumer_programs(sum(global_flags), block)
 
         consumers = (3 if head_dim <= THREE_CONSUMER_MAX_HEAD_DIM and global_programs(
             config.mosaic_block_q) >= THREE_CONSUMER_MIN_PROGRAMS else 2)
@@ -335,9 +348,26 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
         # 1.469; H200 1.447 -> 1.396)
         local_windows = [p for p, glob in zip(window_sizes, global_flags) if not glob]
         wide_local = min(local_windows) >= LOCAL_ON_MOSAIC_FWD_MIN_WINDOW
-        config = dataclasses.replace(
-            config, bwd_lowering="mosaic",
-            fwd_lowering="mosaic" if wide_local else config.fwd_lowering)
+        # with GQA the Hopper dK/dV kernel writes a gradient per query head for XLA to sum
+        # over each group, where Triton sums in the kernel: narrow windows keep the earlier
+        # lowering (U1-U2, H100, B=4, 4 kv heads, f+b ms, Mosaic -> Triton: 1 global + 15
+        # local p=128 n=4096 0.777 / 0.750 -> 0.706 / 0.703, n=8192 1.573 / 1.584 -> 1.500 /
+        # 1.500; 2 global + 14 local n=8192 1.951 / 1.978 -> 2.037 / 2.034; p=256 a tie;
+        # p=512 2.144 -> 2.256)
+        grouped = num_kv_heads is not None and num_kv_heads < len(window_sizes)
+        if wide_local or not grouped:
+            config = dataclasses.replace(config, bwd_lowering="mosaic")
+        if wide_local:
+            # every head in the Hopper forward's launch: three consumers counted over all of
+            # them (U2-U3, H100, B=4, p=512, ms fwd / f+b, two -> three consumers: 1 global +
+            # 15 local n=8192 0.551 / 1.994 -> 0.496 / 1.974, 2 global + 14 local n=4096
+            # 0.304 / 1.035 -> 0.282 / 0.999, 16 local heads n=8192 0.476 / 1.643 -> 0.465 /
+            # 1.559 and 0.431 / 1.570; B=1 1 global + 15 local n=4096 0.115 / 0.318 -> 0.119
+            # / 0.332 and 0.113 / 0.347, hence the higher threshold)
+            consumers = (3 if three_consumer_programs(len(window_sizes), config.mosaic_block_q)
+                         >= EVERY_HEAD_THREE_CONSUMER_MIN_PROGRAMS else 2)
+            config = dataclasses.replace(config, fwd_lowering="mosaic",
+                                         mosaic_consumers=consumers)
     if (not all_global and head_dim == STRIP_HEAD_DIM and seq_len is not None
             and seq_len >= STRIP_MIN_SEQ_LEN):
         # the local heads' forward as strips (forward_strip.py; Triton where it does not run:
@@ -476,7 +506,7 @@ def make_plan(*, seq_len: int, head_dim: int, windows: WindowSizes, num_kv_heads
               interpret: bool, batch: int = 1) -> AttentionPlan:
     """Validates ``config`` (default: ``default_config``), fits it to the sequence, pads."""
     if config is None:
-        config = default_config(dtype, head_dim, windows, seq_len, batch)
+        config = default_config(dtype, head_dim, windows, seq_len, batch, num_kv_heads)
     config.validate()
     config = config.fit_to(seq_len)
     seq_len_padded = cdiv(seq_len, max(config.blocks())) * max(config.blocks())

@@ -834,7 +834,7 @@ def test_benchmark_gqa_inputs_and_floor_bytes(monkeypatch, capsys):
     """bench/attention.py --kv-heads: k and v get the kv heads, the floor counts their bytes
     (by hand: B=1, n=64, D=16 bf16, a q-sized tensor 16 KiB at 8 heads, a kv-sized 4 KiB at 2;
     forward q, o, k, v; the backward adds q, o, do, dq, k, v, dk, dv), and a count that does
-    not divide --heads is refused with one line."""
+    not divide --heads, or GQA with triton_mha, is refused with one line."""
     import sys
 
     bench = _load_attention_benchmark(monkeypatch)
@@ -848,8 +848,15 @@ def test_benchmark_gqa_inputs_and_floor_bytes(monkeypatch, capsys):
     # one kv head per query head: 4 q-sized tensors forward, 12 with the backward
     assert bench.floor_pct(ms, 1, 64, 8, 16, (None,) * 8, True) == pytest.approx(
         100 * 12 * 16384 / 40960)
-    monkeypatch.setattr(sys, "argv", ["attention.py", "--heads", "16", "--kv-heads", "5"])
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main()
-    assert exit_info.value.code == 2
-    assert "--kv-heads: expected 0 or a divisor of --heads (16), got 5" in capsys.readouterr().err
+    refusals = [
+        (["--kv-heads", "5"], "--kv-heads: expected 0 or a divisor of --heads (16), got 5"),
+        (["--kv-heads", "-4"], "--kv-heads: expected 0 or a divisor of --heads (16), got -4"),
+        # the default --impl holds triton_mha, which takes no GQA
+        (["--kv-heads", "4"], "--kv-heads: triton_mha takes one kv head per query head"),
+    ]
+    for flags, message in refusals:
+        monkeypatch.setattr(sys, "argv", ["attention.py", "--heads", "16", *flags])
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main()
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err

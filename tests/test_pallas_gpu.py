@@ -657,7 +657,8 @@ def test_mosaic_kernels_lower_for_the_gpu_on_cpu(D, windows, config):
     """The GPU code paths that interpret mode does not run (register-operand and overlapped
     wgmma in the backward, ``mosaic_ring.mma`` on the GPU) lowered to Mosaic GPU's module on
     the CPU: a kernel that would not compile for an H100 fails here, without one."""
-    from ls_jax.kernels.pallas_gpu.backward_mosaic import dkdv_call_mosaic, dq_call_mosaic
+    from ls_jax.kernels.pallas_gpu.backward_mosaic import (delta_fits, dkdv_call_mosaic,
+                                                           dq_call_mosaic)
     from ls_jax.kernels.pallas_gpu.forward_mosaic import forward_call_mosaic
     from ls_jax.kernels.pallas_gpu.plan import make_plan
 
@@ -670,13 +671,25 @@ def test_mosaic_kernels_lower_for_the_gpu_on_cpu(D, windows, config):
     x = jax.ShapeDtypeStruct((1, plan.seq_len_padded, H, D), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((1, H, plan.seq_len_padded), jnp.float32)
     fused = plan.config.mosaic_fused_dq
+    def lower(kernel, *args):
+        return jax.jit(lambda *a: kernel(plan, *a)).trace(*args).lower(
+            lowering_platforms=("cuda",))
+
+    # delta from the dQ kernel's own O and dO tiles where ``delta_fits`` says its shared
+    # memory holds O's tile too; where it says not, the kernel would not compile
+    def dq_own_delta(plan, *a):
+        return dq_call_mosaic(plan, *a[:5], out=a[5])
+
+    if delta_fits(plan, jnp.bfloat16):
+        assert "mosaic_gpu" in lower(dq_own_delta, x, x, x, x, rows, x).as_text()
+    else:
+        with pytest.raises(ValueError, match="exceeds available shared memory"):
+            lower(dq_own_delta, x, x, x, x, rows, x)
     for kernel, args in [(forward_call_mosaic, (x, x, x)),
                          (dq_call_mosaic, (x, x, x, x, rows, rows)),
                          (functools.partial(dkdv_call_mosaic, fused_dq=fused),
                           (x, x, x, x, rows, rows))]:
-        lowered = jax.jit(lambda *a, kernel=kernel: kernel(plan, *a)).trace(*args).lower(
-            lowering_platforms=("cuda",))
-        text = lowered.as_text()
+        text = lower(kernel, *args).as_text()
         assert "mosaic_gpu" in text, kernel
         if fused and getattr(kernel, "func", None) is dkdv_call_mosaic:  # dk, dv, dQ acc.
             assert text.count("output_operand_alias<") == 3

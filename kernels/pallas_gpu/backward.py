@@ -28,7 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ls_jax.kernels.heads import merge_heads, take_heads
-from ls_jax.kernels.pallas_gpu.backward_mosaic import dkdv_call_mosaic, dq_call_mosaic
+from ls_jax.kernels.pallas_gpu.backward_mosaic import (delta_fits, dkdv_call_mosaic,
+                                                       dq_call_mosaic)
 from ls_jax.kernels.pallas_gpu.mosaic_ring import mosaic_fits
 from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, ClassPaths, TilePath
 from ls_jax.kernels.pallas_gpu.tiles import (LOG2_E, allowed_KxQ, allowed_QxK, mask_scores,
@@ -297,12 +298,19 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
                                             plan.interpret):
         wide = plan.global_heads()
         fused = plan.config.mosaic_fused_dq
+        # delta: with delta_in_kernel the dQ kernels compute it (each its own heads' rows;
+        # the Mosaic one where O's tile fits its shared memory), else one XLA pass (the
+        # fused dQ needs it before its one kernel)
+        in_kernel = plan.config.delta_in_kernel
+        mosaic_delta = in_kernel and not fused and delta_fits(plan, q.dtype)
         if lowering == "mosaic" or len(wide) == H:
-            delta = row_delta(out, do)
             if fused:
-                dk, dv, dq = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, fused_dq=True)
+                dk, dv, dq = dkdv_call_mosaic(plan, q, k, v, do, lse2, row_delta(out, do),
+                                              fused_dq=True)
             else:
-                dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta)
+                dq, delta = dq_call_mosaic(plan, q, k, v, do, lse2,
+                                           None if mosaic_delta else row_delta(out, do),
+                                           out=out)
                 dk, dv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta)
             if G < H:  # sum each group's query heads
                 dk, dv = (x.reshape(B, Tp, G, H // G, Dp).astype(jnp.float32).sum(axis=3)
@@ -310,18 +318,18 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
             return dq, dk, dv
         if wide and G == H:
             local = plan.local_heads()
-            # with delta_in_kernel, one XLA pass computes only the global heads' delta and
-            # the Triton dQ kernel the local heads' (from its O and dO tiles)
-            in_kernel = plan.config.delta_in_kernel
-            delta = row_delta(out, do, heads=wide if in_kernel else None)
+            # (the global heads' rows only where the Triton dQ kernel makes the others')
+            delta = None if mosaic_delta else row_delta(out, do, wide if in_kernel else None)
             if fused:  # the global heads' dQ into a buffer the Triton kernel fills
                 *dkdv, dq_wide = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide,
                                                   fused_dq=True)
                 rest = lax.empty((B, Tp, len(local), Dp), q.dtype)
                 dq = merge_heads([dq_wide, rest], [wide, local])
             else:
-                dq = dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
+                dq, delta = dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide, out=out)
                 dkdv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=wide)
+            # the Triton dQ kernel computes the local heads' delta (in_kernel) or takes the
+            # pass's, and its delta is what the Triton dK/dV kernel reads
             dq, delta = dq_call(plan, q, k, v, segment_ids, do, out, lse2,
                                 delta=None if in_kernel else delta, prefilled=dq, heads=local)
             dk, dv = dkdv_call(plan, q, k, v, segment_ids, do, lse2, delta, prefilled=dkdv,

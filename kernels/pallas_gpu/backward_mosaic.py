@@ -27,8 +27,11 @@ products per tile instead of the two kernels' seven: 1.03-1.09x the f+b with eve
 global at D=64 on an H100, 1.02x in long LS mixes, half as fast at D=128 (spills), run P; off
 by default.
 
-``delta = rowsum(O * dO)`` comes from the caller (one XLA pass). ``heads`` restricts a call
-to some query heads (the others' rows are left unwritten, for the Triton kernels to fill).
+``delta = rowsum(O * dO)``: by default the dQ kernel computes it from O and dO tiles it loads
+anyway (dO) or once per block (O) and writes it out for the dK/dV kernel, which runs after it;
+else (``KernelConfig.delta_in_kernel`` off, and for the fused dQ) it comes from the caller, one
+XLA pass over O and dO. ``heads`` restricts a call to some query heads (the others' rows are
+left unwritten, for the Triton kernels to fill).
 """
 
 from __future__ import annotations
@@ -60,11 +63,13 @@ def dq_slots(head_dim: int) -> int:
     return 2 if head_dim <= 64 else 1
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, *, heads,
-               windows, group, block_q, block_k, stages, num_tiles, seq_len, score_scale,
-               scale, interpret, consumers):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, rows_ref, dq_ref, delta_out_ref, scoped,
+               *, heads, windows, group, block_q, block_k, stages, num_tiles, seq_len,
+               score_scale, scale, interpret, consumers):
+    """dQ; ``rows_ref`` is delta, or with ``delta_out_ref`` O: then delta = rowsum(O * dO)
+    comes from the consumer's own tiles and goes out to ``delta_out_ref`` for dK/dV."""
     smem, loaded, freed = scoped
-    q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem = smem
+    q_smem2, do_smem2, lse_smem2, delta_smem2, o_smem2, k_smem, v_smem = smem
     own_loaded, k_loaded, v_loaded = loaded
     k_free, v_free = freed
     b, h, window, wg = program_ids(heads, windows)
@@ -87,15 +92,26 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, scoped, 
         rows = pl.ds(q_first, block_q)
         q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
         lse_smem, delta_smem = lse_smem2.at[wg], delta_smem2.at[wg]
+        in_kernel = delta_out_ref is not None
+        # the fourth copy: O for delta made here, else delta itself
+        last = ((rows_ref.at[b, rows, h], o_smem2.at[wg]) if in_kernel
+                else (rows_ref.at[b, h, rows], delta_smem))
         for n, (src, dst) in enumerate([(q_ref.at[b, rows, h], q_smem),
                                         (do_ref.at[b, rows, h], do_smem),
-                                        (lse_ref.at[b, h, rows], lse_smem),
-                                        (delta_ref.at[b, h, rows], delta_smem)]):
+                                        (lse_ref.at[b, h, rows], lse_smem), last]):
             plgpu.copy_gmem_to_smem(src, dst, own_loaded.at[wg * 4 + n])
         for n in range(4):
             plgpu.barrier_wait(own_loaded.at[wg * 4 + n])
         lse_Q = plgpu.load(lse_smem, layout=plgpu.Layout.WGMMA.reduce(1))
-        delta_Q = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+        if in_kernel:  # delta = rowsum(O * dO) in float32, out for the dK/dV kernel
+            o_QxD = plgpu.load(o_smem2.at[wg], layout=plgpu.Layout.WGMMA)
+            do_QxD = plgpu.load(do_smem, layout=plgpu.Layout.WGMMA)
+            delta_Q = (o_QxD.astype(jnp.float32) * do_QxD.astype(jnp.float32)).sum(axis=1)
+            delta_smem[...] = delta_Q
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(delta_smem, delta_out_ref.at[b, h, rows])
+        else:
+            delta_Q = plgpu.load(delta_smem, layout=plgpu.Layout.WGMMA.reduce(1))
         ranges = split_kv_loop(q_block, block_q, block_k, window, seq_len)
 
         def skip(j, _):
@@ -338,21 +354,47 @@ def _static(plan, q, k, heads, fused_dq: bool = False):
         scale=plan.scale, interpret=plan.interpret, consumers=consumers)
 
 
-def dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None):
-    """dq [B, Tp, H, Dp] in q's dtype for ``heads`` (default all) on padded inputs."""
+# shared memory a Mosaic GPU program may take on Hopper (``shared_memory_per_block_optin``),
+# and what the dQ kernel's row buffers and barriers take beside its tiles, rounded up
+SMEM_BYTES = 232448
+DQ_SMEM_SLACK = 4096
+
+
+def delta_fits(plan, dtype) -> bool:
+    """Whether the dQ kernel has the shared memory to load O and compute delta itself: a third
+    [block_q, D] tile per consumer beside Q, dO and the key/value ring. Not with 128-key
+    blocks at D=128 (every head global, ``mosaic_dq_block_k``: 1,152 bytes over)."""
+    cfg = plan.config
+    block_k = cfg.mosaic_dq_block_k or cfg.mosaic_bwd_block_k
+    tiles = (3 * cfg.mosaic_bwd_consumers * cfg.mosaic_bwd_block_q
+             + 2 * cfg.mosaic_stages * block_k)  # rows of Q, dO, O; of the K and V ring
+    return (tiles * plan.head_dim_padded * jnp.dtype(dtype).itemsize + DQ_SMEM_SLACK
+            <= SMEM_BYTES)
+
+
+def dq_call_mosaic(plan, q, k, v, do, lse2, delta=None, heads=None, *, out=None):
+    """(dq [B, Tp, H, Dp] in q's dtype, delta float32 [B, H, Tp]) for ``heads`` (default all)
+    on padded inputs. With ``delta`` None the kernel computes ``delta = rowsum(out * do)``
+    from its own O and dO tiles (no separate pass over them) and returns it (rows of
+    ``heads`` only, the others unwritten); a given ``delta`` is used and returned as is."""
     B, Tp, H, Dp = q.shape
     heads, static = _static(plan, q, k, heads)
     static["block_k"] = plan.config.mosaic_dq_block_k or static["block_k"]
     bq, bk, stages = static["block_q"], static["block_k"], static["stages"]
     consumers = static["consumers"]
     num_tiles = pl.cdiv(Tp, consumers * bq)
+    in_kernel = delta is None
+    if in_kernel and out is None:
+        raise ValueError("dq_call_mosaic: expected out (to compute delta) when delta is None")
 
-    def entry(*refs):
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, rows_ref, dq_ref, delta_out_ref=None):
         rows = plgpu.SMEM((consumers, bq), jnp.float32)
+        tiles = plgpu.SMEM((consumers, bq, Dp), q.dtype, transforms=TILE_TRANSFORMS)
         pl.run_scoped(
-            lambda *scoped: _dq_kernel(*refs, scoped, num_tiles=num_tiles, **static),
-            [plgpu.SMEM((consumers, bq, Dp), q.dtype, transforms=TILE_TRANSFORMS),
-             plgpu.SMEM((consumers, bq, Dp), q.dtype, transforms=TILE_TRANSFORMS), rows, rows,
+            lambda *scoped: _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, rows_ref, dq_ref,
+                                       delta_out_ref, scoped, num_tiles=num_tiles, **static),
+            # Q, dO, lse, delta, O (for delta; a placeholder row when delta is given), K, V
+            [tiles, tiles, rows, rows, tiles if in_kernel else rows,
              plgpu.SMEM((stages, bk, Dp), q.dtype, transforms=TILE_TRANSFORMS),
              plgpu.SMEM((stages, bk, Dp), q.dtype, transforms=TILE_TRANSFORMS)],
             (plgpu.Barrier(num_barriers=4 * consumers), plgpu.Barrier(num_barriers=stages),
@@ -360,10 +402,14 @@ def dq_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None):
             (plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),) * 2,
             collective_axes="wg")
 
-    return launch(entry, jax.ShapeDtypeStruct(q.shape, q.dtype), num_heads=len(heads),
-                  num_tiles=num_tiles, batch=B, interpret=plan.interpret,
-                  consumers=consumers)(
-        q, k, v, do, lse2, delta)
+    dq_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    out_type = [dq_type, jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)] if in_kernel else dq_type
+    run = launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
+                 interpret=plan.interpret, consumers=consumers)
+    if in_kernel:
+        dq, delta = run(q, k, v, do, lse2, out)
+        return dq, delta
+    return run(q, k, v, do, lse2, delta), delta
 
 
 def dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None, *, fused_dq: bool = False):

@@ -107,7 +107,12 @@ class KernelConfig:
     rounded) sequence are shrunk to it. fwd_loop and bwd_loop: how the boundary tiles get
     their mask (``LOOP_MODES``, see ``kernels.pallas_gpu.tiles.run_band_loop``); wide_fwd_loop:
     the same for the wide forward path ("": as fwd_loop).
-    delta_in_kernel: the dQ kernel computes ``delta = rowsum(O * dO)`` (else an XLA pass).
+    delta_in_kernel: the dQ kernels compute ``delta = rowsum(O * dO)`` from their own O and
+    dO tiles (else an XLA pass before them): the Triton one, and the Mosaic one where O's tile
+    fits its shared memory (``backward_mosaic.delta_fits``: not beside 128-key dQ blocks at
+    D=128, nor with the fused dQ). H100 run V, Mosaic, f+b: D=128 1 global + 15 local n=8192
+    p=512 1.892 -> 1.817-1.863 ms, 2 global + 14 local 2.370 -> 2.166-2.176, the same with 4
+    kv heads 2.245 -> 1.984-1.998; D=64 every head global n=8192 4.724 -> 4.591-4.650.
     fwd_lowering: "triton" (``forward.py``), "mosaic" (``forward_mosaic.py``, the Hopper
     forward) or "mixed" (the Hopper forward for the global heads, Triton for the local ones);
     where ``mosaic_ring.mosaic_fits`` says no, the Triton forward runs every head;

@@ -266,6 +266,8 @@ GPU_CASES = [
     # D=128, GQA, local windows >= 256: every head on the Hopper forward with three consumers
     # (8 x 16 heads x 9 tiles of 192 rows: 1152 programs) and on the Hopper backward
     (8, 1550, 16, 4, 128, (None, 256, 512, 300, None, 1549, 700) + (256,) * 9),
+    # D=64 all global, groups of 4 query heads: each kv head's sum in the Hopper dK/dV kernel
+    (2, 1024, 8, 2, 64, (None,) * 8),
 ]
 
 
@@ -693,6 +695,41 @@ def test_mosaic_kernels_lower_for_the_gpu_on_cpu(D, windows, config):
         assert "mosaic_gpu" in text, kernel
         if fused and getattr(kernel, "func", None) is dkdv_call_mosaic:  # dk, dv, dQ acc.
             assert text.count("output_operand_alias<") == 3
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_mosaic_dkdv_sums_gqa_groups_in_the_kernel(D):
+    """With GQA the Hopper dK/dV kernel walks each kv head's query heads in one program (run
+    V): the same gradients as one program per query head summed by XLA afterwards (run U's
+    way), in Pallas' GPU interpreter, for a group that mixes global and local heads; and the
+    kernel lowers for an H100 on the CPU."""
+    from ls_jax.kernels.pallas_gpu.backward_mosaic import dkdv_call_mosaic
+    from ls_jax.kernels.pallas_gpu.plan import make_plan
+
+    B, T, Hq, Hkv, windows = 1, 256, 4, 2, (None, 20, 130, 7)
+    q, k, v, do = random_inputs(np.random.default_rng(11), B, T, Hq, Hkv, D, jnp.bfloat16)
+    rng = np.random.default_rng(12)
+    lse2 = jnp.asarray(rng.uniform(4.0, 6.0, (B, Hq, T)), jnp.float32)
+    delta = jnp.asarray(rng.standard_normal((B, Hq, T)) * 0.1, jnp.float32)
+
+    def plan(interpret):
+        return make_plan(seq_len=T, head_dim=D, windows=windows, num_kv_heads=Hkv,
+                         dtype=jnp.bfloat16, scale=D ** -0.5,
+                         config=mosaic_config(lowering="mosaic", bwd="mosaic"),
+                         logit_stats=False, interpret=interpret)
+
+    args = (q, k, v, do, lse2, delta)
+    summed = dkdv_call_mosaic(plan(True), *args)
+    per_head = dkdv_call_mosaic(plan(True), *args, sum_groups=False)
+    for name, got, want in zip(("dk", "dv"), summed, per_head):
+        assert got.shape == (B, T, Hkv, D), name
+        assert rel_err(got, want) < 1e-2, name
+        assert float(jnp.abs(want.astype(jnp.float32)).max()) > 0, name
+    lowered = jax.jit(lambda *a: dkdv_call_mosaic(plan(False), *a)).trace(*args).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+    with pytest.raises(ValueError, match="one kv head per query head"):
+        dkdv_call_mosaic(plan(True), *args, heads=(0,))
 
 
 def test_strip_forward_lowers_for_the_gpu_on_cpu():

@@ -286,7 +286,7 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
     """(dq, dk, dv) on padded inputs, by the lowering ``plan.config.bwd_lowering`` picks.
 
     "triton": the two kernels above. "mosaic": ``backward_mosaic.py`` for every head (dK/dV
-    per query head, summed over each GQA group here). "mixed": the Mosaic kernels for the
+    summed over each GQA group in the kernel). "mixed": the Mosaic kernels for the
     global heads, then the Triton kernels for the local heads into the same buffers; only
     with one kv head per query head (a GQA group may mix both kinds), else all Triton. Calls
     the Mosaic kernels cannot run (``mosaic_ring.mosaic_fits``) take the Triton kernels.
@@ -312,9 +312,6 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
                                            None if mosaic_delta else row_delta(out, do),
                                            out=out)
                 dk, dv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta)
-            if G < H:  # sum each group's query heads
-                dk, dv = (x.reshape(B, Tp, G, H // G, Dp).astype(jnp.float32).sum(axis=3)
-                          .astype(k.dtype) for x in (dk, dv))
             return dq, dk, dv
         if wide and G == H:
             local = plan.local_heads()

@@ -7,9 +7,10 @@ warpgroup streams the other side's blocks of the band through a TMA ring.
 
 * dQ (grid head x query tile x batch): a consumer owns ``block_q`` query rows (Q, dO, lse2,
   delta loaded once) and walks the key blocks of its band, streamed as K and V.
-* dK/dV (grid head x key tile x batch): a consumer owns ``block_k`` keys (K, V loaded once)
-  and walks the query blocks whose band reaches them, streamed as Q, dO, lse2 and delta. It
-  writes dK and dV *per query head* ([B, T, H, D]); the caller sums each GQA group.
+* dK/dV (grid kv head x key tile x batch): a consumer owns ``block_k`` keys (K, V loaded
+  once) and walks the query blocks whose band reaches them, streamed as Q, dO, lse2 and
+  delta, for each query head of the kv head's GQA group in turn (one stream through the
+  ring; the group's sum stays in the accumulators).
 
 Inside a step the products overlap the element-wise work (run M, docs/kernel-notes.md): dQ
 issues S = Q K^T and dP = dO V^T together and computes the probabilities while dP runs; dK/dV
@@ -47,7 +48,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ls_jax.kernels.band import allowed, kv_block_range, q_block_range
 from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, F32_TRANSFORMS, TILE_TRANSFORMS,
                                                    band_loops, consumer_block,
-                                                   interpreter_fits, launch, mma,
+                                                   interpreter_fits, launch, mma, pick,
                                                    produce, produce_kv, program_ids, ring_slot,
                                                    run_into, selected_heads, tile_allowed,
                                                    tile_iota, tile_union, zero_tile)
@@ -180,24 +181,49 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, rows_ref, dq_ref, delta_out
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref,
                  scoped, *, heads, windows, group, block_q, block_k, stages, num_tiles,
-                 seq_len, score_scale, scale, interpret, consumers):
-    """dK/dV; with ``dq_ref`` (float32) also dQ: each step's ``ds . K`` added into it."""
+                 seq_len, score_scale, scale, interpret, consumers, group_sum):
+    """dK/dV; with ``dq_ref`` (float32) also dQ: each step's ``ds . K`` added into it.
+
+    Per query head (grid axis "heads" over ``heads``), or with ``group_sum`` per kv head
+    (``heads`` every query head): a program then walks the query blocks of each of its
+    group's query heads in turn, one stream through the ring, and sums their dK and dV in
+    its accumulators."""
     smem, loaded, freed = scoped
     k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, ds_smem2, dq_smem2 = smem
     own_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded = loaded
     (free,) = freed
-    b, h, window, wg = program_ids(heads, windows)
     slot_h = lax.axis_index("heads")  # h's index in ``heads`` (dq_ref has only those)
+    if group_sum:
+        b, wg = lax.axis_index("batch"), lax.axis_index("wg")
+        kv_head = out_head = slot_h
+        members = group
+    else:
+        b, h, window, wg = program_ids(heads, windows)
+        kv_head, out_head = lax.div(h, jnp.int32(group)), h
+        members = 1
     tile = lax.axis_index("tile")  # the first key tiles have the longest columns
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
     num_k_blocks = seq_len // block_k
-    union_first, union_end = tile_union(q_block_range, tile, block_q, block_k, window, seq_len,
-                                        consumers=consumers, num_blocks=num_k_blocks)
     consumer_registers, producer_registers = REGISTERS[consumers]
 
-    def slot_of(i):
-        return ring_slot(i, union_first, stages)
+    def member(r):
+        """The r-th query head the program computes, its window, and the query blocks
+        [first, end) its consumers need together."""
+        if group_sum:
+            h_r = kv_head * group + r
+            window_r = pick(h_r, windows)
+        else:
+            h_r, window_r = h, window
+        first, end = tile_union(q_block_range, tile, block_q, block_k, window_r, seq_len,
+                                consumers=consumers, num_blocks=num_k_blocks)
+        return h_r, window_r, first, end
+
+    def over_members(body, carry):
+        """``body(r, carry)`` for each member: one call, or a loop over the group."""
+        if members == 1:
+            return body(0, carry)
+        return lax.fori_loop(0, members, body, carry)
 
     @pl.when(wg < consumers)
     def _consumer():
@@ -205,7 +231,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         k_block = consumer_block(tile, wg, consumers, num_k_blocks)
         k_first = k_block * block_k
         cols = pl.ds(k_first, block_k)
-        kv_head = lax.div(h, jnp.int32(group))
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
         fused = dq_ref is not None
         if fused:
@@ -214,128 +239,174 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         plgpu.copy_gmem_to_smem(v_ref.at[b, cols, kv_head], v_smem, own_loaded.at[2 * wg + 1])
         plgpu.barrier_wait(own_loaded.at[2 * wg])
         plgpu.barrier_wait(own_loaded.at[2 * wg + 1])
-        # the query blocks are [first, end); masks on [first, lo) (diagonal) and [hi, end)
-        # (window edge), none on [lo, hi)
-        ranges = split_q_loop(k_block, block_q, block_k, window, seq_len)
+        if group_sum:  # every slot starts free (see ``_producer``)
+            for slot in range(stages):
+                plgpu.barrier_arrive(free.at[slot])
 
-        def skip(i, _):
-            slot = slot_of(i)
-            for barrier in (q_loaded, do_loaded, lse_loaded, delta_loaded):
-                plgpu.barrier_wait(barrier.at[slot])
-            plgpu.barrier_arrive(free.at[slot])
+        def one_head(r, carry):
+            streamed, grads = carry  # blocks streamed before this head's
+            h_r, window_r, union_first, union_end = member(r)
 
-        def probabilities(sT_KxQ, ok_KxQ, slot):
-            if ok_KxQ is not None:
-                sT_KxQ = jnp.where(ok_KxQ, sT_KxQ, MASKED_SCORE)
-            plgpu.barrier_wait(lse_loaded.at[slot])
-            lse_Q = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            return jnp.exp2(sT_KxQ * score_scale
-                            - lax.broadcast_in_dim(lse_Q, sT_KxQ.shape, [1]))
+            def slot_of(i):
+                return ring_slot(i + streamed, union_first, stages)
 
-        def score_grads(pT_KxQ, dpT_KxQ, slot):
-            plgpu.barrier_wait(delta_loaded.at[slot])
-            delta_Q = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-            dsT_KxQ = pT_KxQ * (dpT_KxQ - lax.broadcast_in_dim(delta_Q, dpT_KxQ.shape, [1]))
-            return dsT_KxQ.astype(dtype)
+            # the query blocks are [first, end); masks on [first, lo) (diagonal) and
+            # [hi, end) (window edge), none on [lo, hi)
+            ranges = split_q_loop(k_block, block_q, block_k, window_r, seq_len)
 
-        def add_dq(i, dq_QxD):
-            """This key block's share of query block i's dQ (unscaled) out to ``dq_ref``
-            through one of ``dq_slots`` shared-memory tiles: a TMA reduction (add) into the
-            float32 accumulator; in interpret mode (no TMA reductions there) a plain store
-            into the key block's own slice of it. A consumer's blocks are consecutive, so the
-            slots go round with i."""
-            slots = dq_smem.shape[0]
-            out_smem = dq_smem.at[lax.rem(i, jnp.int32(slots))]
-            # the copy that last used this slot has read it (the later ones may still run)
-            plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-            out_smem[...] = dq_QxD
-            plgpu.commit_smem()
-            rows = pl.ds(i * block_q, block_q)
-            if interpret:
-                plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[b, k_block, rows, slot_h])
-            else:
-                plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[b, rows, slot_h],
-                                        reduction_op="add")
+            def skip(i, _):
+                slot = slot_of(i)
+                for barrier in (q_loaded, do_loaded, lse_loaded, delta_loaded):
+                    plgpu.barrier_wait(barrier.at[slot])
+                plgpu.barrier_arrive(free.at[slot])
 
-        def step(i, grads, masked: bool):
-            slot = slot_of(i)
-            q_block, do_block = q_smem.at[slot], do_smem.at[slot]
-            plgpu.barrier_wait(q_loaded.at[slot])
-            ok_KxQ = allowed(i * block_q + tile_iota(block_k, block_q, 1),
-                             k_first + tile_iota(block_k, block_q, 0),
-                             window) if masked else None
-            plgpu.barrier_wait(do_loaded.at[slot])
-            if interpret:  # one product at a time (see ``mosaic_ring.mma``)
-                dk_KxD, dv_KxD = grads[:2]
-                pT_KxQ = probabilities(mma(None, k_smem, q_block, transpose_b=True,
-                                           interpret=True), ok_KxQ, slot)
-                dv_KxD = mma(dv_KxD, pT_KxQ.astype(dtype), do_block, transpose_b=False,
-                             interpret=True)
-                dpT_KxQ = mma(None, v_smem, do_block, transpose_b=True, interpret=True)
-                dsT_KxQ = score_grads(pT_KxQ, dpT_KxQ, slot)
-                dk_KxD = mma(dk_KxD, dsT_KxQ, q_block, transpose_b=False, interpret=True)
-                grads = dk_KxD, dv_KxD
-                if fused:
-                    ds_smem[...] = dsT_KxQ
-                    plgpu.commit_smem()
-                    grads += (mma(None, ds_smem[...].T, k_smem, transpose_b=False,
-                                  interpret=True),)
-            else:  # S^T and dP^T issued together, dV before dP^T is read, dK last: the
-                # exponentials run under dP^T's wgmma and dS^T under dV's; fused, dS^T goes
-                # to shared memory while dK runs, and dQ = dS . K reads it from there
-                def accumulate(refs):
-                    dk_ref, dv_ref = refs[:2]
+            def probabilities(sT_KxQ, ok_KxQ, slot):
+                if ok_KxQ is not None:
+                    sT_KxQ = jnp.where(ok_KxQ, sT_KxQ, MASKED_SCORE)
+                plgpu.barrier_wait(lse_loaded.at[slot])
+                lse_Q = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                return jnp.exp2(sT_KxQ * score_scale
+                                - lax.broadcast_in_dim(lse_Q, sT_KxQ.shape, [1]))
 
-                    def products(sT_ref, dpT_ref):
-                        plgpu.wgmma(sT_ref, k_smem, q_block.transpose((1, 0)))
-                        plgpu.wgmma(dpT_ref, v_smem, do_block.transpose((1, 0)))
-                        pT_KxQ = probabilities(plgpu.wgmma_accumulator_load(sT_ref, wait_n=1),
-                                               ok_KxQ, slot)
-                        plgpu.wgmma(dv_ref, pT_KxQ.astype(dtype), do_block)
-                        dpT_KxQ = plgpu.wgmma_accumulator_load(dpT_ref, wait_n=1)
-                        dsT_KxQ = score_grads(pT_KxQ, dpT_KxQ, slot)
-                        plgpu.wgmma(dk_ref, dsT_KxQ, q_block)
-                        if fused:
-                            ds_smem[...] = dsT_KxQ
-                            plgpu.commit_smem()
+            def score_grads(pT_KxQ, dpT_KxQ, slot):
+                plgpu.barrier_wait(delta_loaded.at[slot])
+                delta_Q = plgpu.load(delta_smem.at[slot],
+                                     layout=plgpu.Layout.WGMMA.reduce(0))
+                dsT_KxQ = pT_KxQ * (dpT_KxQ
+                                    - lax.broadcast_in_dim(delta_Q, dpT_KxQ.shape, [1]))
+                return dsT_KxQ.astype(dtype)
 
-                    scores = plgpu.ACC((block_k, block_q), jnp.float32)
-                    pl.run_scoped(products, scores, scores)
+            def add_dq(i, dq_QxD):
+                """This key block's share of query block i's dQ (unscaled) out to
+                ``dq_ref`` through one of ``dq_slots`` shared-memory tiles: a TMA reduction
+                (add) into the float32 accumulator; in interpret mode (no TMA reductions
+                there) a plain store into the key block's own slice of it. A consumer's
+                blocks are consecutive, so the slots go round with i."""
+                slots = dq_smem.shape[0]
+                out_smem = dq_smem.at[lax.rem(i, jnp.int32(slots))]
+                # the copy that last used this slot has read it (the later ones may still
+                # run)
+                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+                out_smem[...] = dq_QxD
+                plgpu.commit_smem()
+                rows = pl.ds(i * block_q, block_q)
+                if interpret:
+                    plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[b, k_block, rows, slot_h])
+                else:
+                    plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[b, rows, slot_h],
+                                            reduction_op="add")
+
+            def step(i, grads, masked: bool):
+                slot = slot_of(i)
+                q_block, do_block = q_smem.at[slot], do_smem.at[slot]
+                plgpu.barrier_wait(q_loaded.at[slot])
+                ok_KxQ = allowed(i * block_q + tile_iota(block_k, block_q, 1),
+                                 k_first + tile_iota(block_k, block_q, 0),
+                                 window_r) if masked else None
+                plgpu.barrier_wait(do_loaded.at[slot])
+                if interpret:  # one product at a time (see ``mosaic_ring.mma``)
+                    dk_KxD, dv_KxD = grads[:2]
+                    pT_KxQ = probabilities(mma(None, k_smem, q_block, transpose_b=True,
+                                               interpret=True), ok_KxQ, slot)
+                    dv_KxD = mma(dv_KxD, pT_KxQ.astype(dtype), do_block, transpose_b=False,
+                                 interpret=True)
+                    dpT_KxQ = mma(None, v_smem, do_block, transpose_b=True, interpret=True)
+                    dsT_KxQ = score_grads(pT_KxQ, dpT_KxQ, slot)
+                    dk_KxD = mma(dk_KxD, dsT_KxQ, q_block, transpose_b=False,
+                                 interpret=True)
+                    grads = dk_KxD, dv_KxD
                     if fused:
-                        plgpu.wgmma(refs[2], ds_smem.transpose((1, 0)), k_smem)
+                        ds_smem[...] = dsT_KxQ
+                        plgpu.commit_smem()
+                        grads += (mma(None, ds_smem[...].T, k_smem, transpose_b=False,
+                                      interpret=True),)
+                else:  # S^T and dP^T issued together, dV before dP^T is read, dK last:
+                    # the exponentials run under dP^T's wgmma and dS^T under dV's; fused,
+                    # dS^T goes to shared memory while dK runs, and dQ = dS . K reads it
+                    # from there
+                    def accumulate(refs):
+                        dk_ref, dv_ref = refs[:2]
 
-                inits = grads + ((zero_tile(block_q, head_dim),) if fused else ())
-                grads = pl.run_state(accumulate)(tuple(map(plgpu.ACC.init, inits)))
-            plgpu.barrier_arrive(free.at[slot])
-            if fused:
-                add_dq(i, grads[2])
-                grads = grads[:2]
-            return grads
+                        def products(sT_ref, dpT_ref):
+                            plgpu.wgmma(sT_ref, k_smem, q_block.transpose((1, 0)))
+                            plgpu.wgmma(dpT_ref, v_smem, do_block.transpose((1, 0)))
+                            pT_KxQ = probabilities(
+                                plgpu.wgmma_accumulator_load(sT_ref, wait_n=1), ok_KxQ, slot)
+                            plgpu.wgmma(dv_ref, pT_KxQ.astype(dtype), do_block)
+                            dpT_KxQ = plgpu.wgmma_accumulator_load(dpT_ref, wait_n=1)
+                            dsT_KxQ = score_grads(pT_KxQ, dpT_KxQ, slot)
+                            plgpu.wgmma(dk_ref, dsT_KxQ, q_block)
+                            if fused:
+                                ds_smem[...] = dsT_KxQ
+                                plgpu.commit_smem()
+
+                        scores = plgpu.ACC((block_k, block_q), jnp.float32)
+                        pl.run_scoped(products, scores, scores)
+                        if fused:
+                            plgpu.wgmma(refs[2], ds_smem.transpose((1, 0)), k_smem)
+
+                    inits = grads + ((zero_tile(block_q, head_dim),) if fused else ())
+                    grads = pl.run_state(accumulate)(tuple(map(plgpu.ACC.init, inits)))
+                plgpu.barrier_arrive(free.at[slot])
+                if fused:
+                    add_dq(i, grads[2])
+                    grads = grads[:2]
+                return grads
+
+            grads = band_loops(union_first, union_end, ranges, skip, step, grads)
+            return streamed + union_end - union_first, grads
 
         zeros = zero_tile(block_k, head_dim)
-        dk_KxD, dv_KxD = band_loops(union_first, union_end, ranges, skip, step, (zeros, zeros))
+        _, (dk_KxD, dv_KxD) = over_members(one_head, (jnp.int32(0), (zeros, zeros)))
         k_smem[...] = (dk_KxD * scale).astype(dtype)
         v_smem[...] = dv_KxD.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, cols, h])
-        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, cols, h])
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, cols, out_head])
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, cols, out_head])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == consumers)
     def _producer():
         plgpu.set_max_registers(producer_registers, action="decrease")
 
-        def load(i, slot):
+        def load(h_r, i, slot):
             rows = pl.ds(i * block_q, block_q)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot],
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h_r], q_smem.at[slot], q_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h_r], do_smem.at[slot],
+                                    do_loaded.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h_r, rows], lse_smem.at[slot],
                                     lse_loaded.at[slot])
-            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot],
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, h_r, rows], delta_smem.at[slot],
                                     delta_loaded.at[slot])
 
-        produce(union_first, union_end, stages, load,
-                lambda slot: plgpu.barrier_wait(free.at[slot]))
+        def wait_free(slot):
+            plgpu.barrier_wait(free.at[slot])
+
+        if not group_sum:
+            h_0, _, first, end = member(0)
+            produce(first, end, stages, functools.partial(load, h_0), wait_free)
+            return
+
+        # one stream over the group's heads: the consumers released every slot once at
+        # their start, so each load waits for its slot, and the last ``stages`` releases
+        # are waited for at the end (every phase of a barrier is observed)
+        def one_head(r, streamed):
+            h_r, _, first, end = member(r)
+
+            def one(i, n):
+                slot = lax.rem(n, jnp.int32(stages))
+                wait_free(slot)
+                load(h_r, i, slot)
+                return n + 1
+
+            return lax.fori_loop(first, end, one, streamed)
+
+        total = lax.fori_loop(0, members, one_head, jnp.int32(0))
+
+        def drain(n, _):
+            wait_free(lax.rem(n, jnp.int32(stages)))
+
+        lax.fori_loop(total, total + stages, drain, None)
 
 
 def _static(plan, q, k, heads, fused_dq: bool = False):
@@ -412,16 +483,27 @@ def dq_call_mosaic(plan, q, k, v, do, lse2, delta=None, heads=None, *, out=None)
     return run(q, k, v, do, lse2, delta), delta
 
 
-def dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None, *, fused_dq: bool = False):
-    """(dk, dv), each [B, Tp, H, Dp] in k's dtype, per *query* head, for ``heads`` (default
-    all) on padded inputs; sum each GQA group for the kv heads' gradients.
+def dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None, *, fused_dq: bool = False,
+                     sum_groups: bool = True):
+    """(dk, dv), each [B, Tp, G, Dp] in k's dtype, per kv head, for ``heads`` (default all;
+    a subset only with one kv head per query head) on padded inputs.
+
+    With GQA each program sums its kv head's group in its accumulators (one stream over the
+    group's query heads); with ``sum_groups`` off, and with the fused dQ, it computes one
+    query head and XLA sums each group after the kernel (run U's way, for comparisons).
 
     fused_dq: also dQ, in the same pass (``ds . K`` of every tile added into a float32
     accumulator by TMA reductions, FA3's way: five products per tile instead of the two
     kernels' seven; the order of the additions varies from run to run, so dQ is not
     bit-reproducible): returns (dk, dv, dq), dq [B, Tp, len(heads), Dp] in q's dtype."""
     B, Tp, H, Dp = q.shape
+    G = k.shape[2]
+    if heads is not None and G < H:
+        raise ValueError(f"dkdv_call_mosaic: heads={heads} needs one kv head per query head, "
+                         f"got {G} kv heads for {H}")
     heads, static = _static(plan, q, k, heads, fused_dq)
+    group_sum = G < H and sum_groups and not fused_dq
+    static["group_sum"] = group_sum
     if fused_dq:  # 64-row query blocks: with 128 the consumers spill (run P: twice as slow)
         static["block_q"] = FUSED_BLOCK_Q
     bq, bk, stages = static["block_q"], static["block_k"], static["stages"]
@@ -448,12 +530,22 @@ def dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None, *, fused_dq: bo
             collective_axes="wg")
 
     def run(out_type):
-        return launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
-                      interpret=plan.interpret, consumers=consumers)
+        return launch(entry, out_type, num_heads=G if group_sum else len(heads),
+                      num_tiles=num_tiles, batch=B, interpret=plan.interpret,
+                      consumers=consumers)
 
+    def kv_heads(dk, dv):  # each group's query heads summed (after a per-query-head kernel)
+        if G == H:
+            return dk, dv
+        return tuple(x.reshape(B, Tp, G, H // G, Dp).astype(jnp.float32).sum(axis=3)
+                     .astype(k.dtype) for x in (dk, dv))
+
+    if group_sum:
+        shape = jax.ShapeDtypeStruct((B, Tp, G, Dp), k.dtype)
+        return tuple(run([shape, shape])(q, k, v, do, lse2, delta))
     shape = jax.ShapeDtypeStruct((B, Tp, H, Dp), k.dtype)
     if not fused_dq:
-        return run([shape, shape])(q, k, v, do, lse2, delta)
+        return kv_heads(*run([shape, shape])(q, k, v, do, lse2, delta))
     # the kernel writes into its buffers (``run_into``: aliased, not copied): dk and dv
     # uninitialised (``lax.empty``: no memset on a GPU; the kernel writes every row of its
     # heads), the accumulator zeros that it adds into; in interpret mode each key block has
@@ -466,4 +558,4 @@ def dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None, *, fused_dq: bo
                             jnp.zeros(acc_shape, jnp.float32)))
     if plan.interpret:
         acc = acc.sum(axis=1)
-    return dk, dv, (acc * plan.scale).astype(q.dtype)
+    return *kv_heads(dk, dv), (acc * plan.scale).astype(q.dtype)

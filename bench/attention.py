@@ -75,11 +75,11 @@ def head_windows(mix: str, num_heads: int, p: int):
 
 
 def parse_config(text: str, dtype, head_dim: int, windows, seq_len: int,
-                 batch: int = 1, kv_heads: int | None = None) -> KernelConfig | None:
+                 batch: int = 1) -> KernelConfig | None:
     """None (the backend's own default for the call) or the call's default with overrides."""
     if not text:
         return None
-    base = default_config(dtype, head_dim, windows, seq_len, batch, kv_heads)
+    base = default_config(dtype, head_dim, windows, seq_len, batch)
     fields = {f.name for f in dataclasses.fields(KernelConfig)}
     updates = {}
     for item in text.split(","):
@@ -256,7 +256,7 @@ def run_sweep(args, rows: list) -> None:
             ours_impls = [i for i in ("ours", "ours_stats") if i in impls]
             for ours in ours_impls if "global" in args.mix.split(",") else ():
                 for text in configs:
-                    cfg = parse_config(text, dtype, D, causal, n, B, Hkv)
+                    cfg = parse_config(text, dtype, D, causal, n, B)
                     rows.append({**base, "p": "-", "mix": "causal", **measure(
                         ours + (f"[{text}]" if text else ""), causal, B, n, H, D,
                         input_sets, args, cfg)})
@@ -272,7 +272,7 @@ def run_sweep(args, rows: list) -> None:
                                                    args)})
                     for ours in ours_impls:
                         for text in configs:
-                            cfg = parse_config(text, dtype, D, windows, n, B, Hkv)
+                            cfg = parse_config(text, dtype, D, windows, n, B)
                             rows.append({**base, "p": p, "mix": mix, **measure(
                                 ours + (f"[{text}]" if text else ""), windows, B, n, H, D,
                                 input_sets, args, cfg)})

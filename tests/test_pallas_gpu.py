@@ -381,35 +381,40 @@ def mosaic_id(case):
     return f"B{B}-T{T}-H{Hq}/{Hkv}-D{D}-w{'_'.join(map(str, windows))}-t{tiles}"
 
 
-@pytest.mark.parametrize("dtype,D,windows,T,kv_heads,want", [
-    (jnp.bfloat16, 64, (None,) * 4, 8192, None, ("mosaic", "mosaic")),
+@pytest.mark.parametrize("dtype,D,windows,T,want", [
+    (jnp.bfloat16, 64, (None,) * 4, 8192, ("mosaic", "mosaic")),
     # D=128 (runs T-U): the local heads' backward on Mosaic too, their forward from p=256
-    (jnp.bfloat16, 128, (None,) + (128,) * 15, 8192, None, ("mixed", "mosaic")),
-    (jnp.bfloat16, 128, (None, None) + (512,) * 14, 65536, None, ("mosaic", "mosaic")),
-    (jnp.bfloat16, 128, (None,) + (256,) * 15, 8192, None, ("mosaic", "mosaic")),
-    (jnp.bfloat16, 128, (None, 512, 255, 512), 4096, None, ("mixed", "mosaic")),  # one narrower
-    (jnp.bfloat16, 128, (128,) * 16, 8192, None, ("triton", "mosaic")),      # no global head
-    (jnp.bfloat16, 128, (512,) * 16, 8192, None, ("mosaic", "mosaic")),
-    (jnp.bfloat16, 128, (None,) * 4, 8192, None, ("mosaic", "mosaic")),
-    # GQA at D=128: narrow windows keep the Triton backward ("mixed" with GQA), wide ones
-    # take both Hopper kernels (run U); one kv head per query head counts as no GQA
-    (jnp.bfloat16, 128, (None,) + (128,) * 15, 8192, 4, ("mixed", "mixed")),
-    (jnp.bfloat16, 128, (128,) * 16, 8192, 4, ("triton", "triton")),
-    (jnp.bfloat16, 128, (None,) + (512,) * 15, 8192, 4, ("mosaic", "mosaic")),
-    (jnp.bfloat16, 128, (None,) + (128,) * 15, 8192, 16, ("mixed", "mosaic")),
-    (jnp.float32, 128, (None,) + (512,) * 15, 8192, None, ("triton", "triton")),
-    (jnp.bfloat16, 64, (None,) + (128,) * 15, 8192, None, ("mixed", "triton")),  # short mix
-    (jnp.bfloat16, 64, (None,) + (128,) * 15, 32768, None, ("mixed", "mixed")),
-    (jnp.bfloat16, 64, (None,) + (128,) * 15, 32768, 4, ("mixed", "mixed")),
-    (jnp.bfloat16, 64, (128,) * 16, 32768, None, ("triton", "triton")),      # no global head
-    (jnp.float32, 64, (None,) * 4, 8192, None, ("triton", "triton")),
+    (jnp.bfloat16, 128, (None,) + (128,) * 15, 8192, ("mixed", "mosaic")),
+    (jnp.bfloat16, 128, (None, None) + (512,) * 14, 65536, ("mosaic", "mosaic")),
+    (jnp.bfloat16, 128, (None,) + (256,) * 15, 8192, ("mosaic", "mosaic")),
+    (jnp.bfloat16, 128, (None, 512, 255, 512), 4096, ("mixed", "mosaic")),  # one narrower
+    (jnp.bfloat16, 128, (128,) * 16, 8192, ("triton", "mosaic")),      # no global head
+    (jnp.bfloat16, 128, (512,) * 16, 8192, ("mosaic", "mosaic")),
+    (jnp.bfloat16, 128, (None,) * 4, 8192, ("mosaic", "mosaic")),
+    (jnp.float32, 128, (None,) + (512,) * 15, 8192, ("triton", "triton")),
+    (jnp.bfloat16, 64, (None,) + (128,) * 15, 8192, ("mixed", "triton")),  # short mix
+    (jnp.bfloat16, 64, (None,) + (128,) * 15, 32768, ("mixed", "mixed")),
+    (jnp.bfloat16, 64, (128,) * 16, 32768, ("triton", "triton")),      # no global head
+    (jnp.float32, 64, (None,) * 4, 8192, ("triton", "triton")),
 ])
-def test_default_lowerings(dtype, D, windows, T, kv_heads, want):
-    """Which kernels the defaults pick (the measured choices of runs J, T and U,
+def test_default_lowerings(dtype, D, windows, T, want):
+    """Which kernels the defaults pick (the measured choices of runs J, T, U and V,
     kernel-notes.md)."""
     from ls_jax.kernels.pallas_gpu import default_config
-    config = default_config(dtype, D, windows, T, num_kv_heads=kv_heads)
+    config = default_config(dtype, D, windows, T)
     assert (config.fwd_lowering, config.bwd_lowering) == want
+
+
+def test_gqa_mixes_at_d128_take_the_hopper_backward():
+    """Run V: with each GQA group summed in the Hopper dK/dV kernel, GQA mixes with narrow
+    windows are faster on the Hopper backward (run U had sent them to Triton): the plan of a
+    call with 4 kv heads for 16 query heads picks it, as it does without GQA."""
+    from ls_jax.kernels.pallas_gpu.plan import make_plan
+    for kv_heads in (4, 16):
+        plan = make_plan(seq_len=8192, head_dim=128, windows=(None,) + (128,) * 15,
+                         num_kv_heads=kv_heads, dtype=jnp.bfloat16, scale=0.1, config=None,
+                         logit_stats=False, interpret=False, batch=4)
+        assert plan.config.bwd_lowering == "mosaic", kv_heads
 
 
 @pytest.mark.parametrize("dtype,D,windows,T,want", [

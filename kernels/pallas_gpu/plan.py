@@ -257,10 +257,9 @@ class KernelConfig:
 
 
 def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None = None,
-                   batch: int = 1, num_kv_heads: int | None = None) -> KernelConfig:
+                   batch: int = 1) -> KernelConfig:
     """Tuned defaults (H200 measurements, docs/kernel-notes.md); ``batch``: the call's batch
-    size (per device under ``shard_map``), which sets how many programs the kernels launch;
-    ``num_kv_heads``: the key/value heads (None: one per query head).
+    size (per device under ``shard_map``), which sets how many programs the kernels launch.
 
     Small tiles suit local heads (less work outside a narrow band, short loops). When every
     head is global all three kernels use longer tiles (128 query rows in the forward and dQ,
@@ -273,7 +272,7 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
     kernels elsewhere, see ``mosaic_ring.mosaic_fits``): H100 run J, docs/kernel-notes.md.
     At D=128 the local heads run on the Hopper forward and backward when every local window is
     >= ``LOCAL_ON_MOSAIC_FWD_MIN_WINDOW``, and on the Hopper backward alone for narrower
-    windows unless the query heads share key/value heads (runs T-U).
+    windows (runs T-V).
     """
     if jnp.dtype(dtype) == jnp.float32:  # fp32 dots: small tiles, fewer stages
         return KernelConfig(fwd_block_q=64, fwd_block_k=32, dq_block_q=64, dq_block_k=32,
@@ -353,18 +352,13 @@ def default_config(dtype, head_dim: int, window_sizes=None, seq_len: int | None 
         # 1.469; H200 1.447 -> 1.396)
         local_windows = [p for p, glob in zip(window_sizes, global_flags) if not glob]
         wide_local = min(local_windows) >= LOCAL_ON_MOSAIC_FWD_MIN_WINDOW
-        # with GQA the Hopper dK/dV kernel writes a gradient per query head for XLA to sum
-        # over each group, where Triton sums in the kernel: narrow windows keep the earlier
-        # lowering (U1-U2, H100, B=4, 4 kv heads, f+b ms, Mosaic -> Triton: 1 global + 15
-        # local p=128 n=4096 0.777 / 0.750 -> 0.706 / 0.703, n=8192 1.573 / 1.584 -> 1.500 /
-        # 1.500; 2 global + 14 local n=8192 1.951 / 1.978 -> 2.037 / 2.034; p=256 a tie;
-        # p=512 2.144 -> 2.256). Still so with delta from the Hopper dQ kernel (run V,
-        # Triton -> Mosaic: 1 global + 15 local n=8192 1.490 / 1.492 -> 1.504 / 1.531, 16
-        # local heads 0.966 / 0.980 -> 1.116 / 1.210), but for 2 global + 14 local (2.001 /
-        # 2.004 -> 1.862 / 1.867): the fix is the group's sum in the kernel (not done)
-        grouped = num_kv_heads is not None and num_kv_heads < len(window_sizes)
-        if wide_local or not grouped:
-            config = dataclasses.replace(config, bwd_lowering="mosaic")
+        # GQA too (run V): the Hopper dK/dV kernel sums each group in its accumulators. Run U
+        # had kept GQA mixes with windows under 256 on Triton, when that kernel wrote one
+        # gradient per query head for XLA to sum (5-10% slower than Triton at p=128). H100
+        # run V4, B=4, 4 kv heads, n=8192, f+b ms, Triton -> Hopper: 1 global + 15 local
+        # p=128 1.438 / 1.639 -> 1.258 / 1.243, 2 global + 14 local 2.052 / 2.361 -> 1.663 /
+        # 1.681, 16 local heads 0.951 / 0.928 -> 0.837 / 0.855
+        config = dataclasses.replace(config, bwd_lowering="mosaic")
         if wide_local:
             # every head in the Hopper forward's launch: three consumers counted over all of
             # them (U2-U3, H100, B=4, p=512, ms fwd / f+b, two -> three consumers: 1 global +
@@ -514,7 +508,7 @@ def make_plan(*, seq_len: int, head_dim: int, windows: WindowSizes, num_kv_heads
               interpret: bool, batch: int = 1) -> AttentionPlan:
     """Validates ``config`` (default: ``default_config``), fits it to the sequence, pads."""
     if config is None:
-        config = default_config(dtype, head_dim, windows, seq_len, batch, num_kv_heads)
+        config = default_config(dtype, head_dim, windows, seq_len, batch)
     config.validate()
     config = config.fit_to(seq_len)
     seq_len_padded = cdiv(seq_len, max(config.blocks())) * max(config.blocks())

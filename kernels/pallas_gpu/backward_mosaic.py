@@ -1,4 +1,4 @@
-"""Backward kernels for Hopper in Pallas' Mosaic GPU lowering: dQ, and dK/dV per query head.
+"""Backward kernels for Hopper in Pallas' Mosaic GPU lowering: dQ, and dK/dV per kv head.
 
 The same math as ``backward.py`` (``p = exp2(s * c - lse2)``, ``ds = p * (dp - delta)``,
 ``dQ = scale * ds . K``, ``dK = scale * ds^T . Q``, ``dV = p^T . dO``), laid out like the

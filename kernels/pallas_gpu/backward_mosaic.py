@@ -46,7 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import allowed, kv_block_range, q_block_range
-from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, F32_TRANSFORMS, TILE_TRANSFORMS,
+from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, F32_TRANSFORMS, SMEM_BYTES,
+                                                   SMEM_SPARE, TILE_TRANSFORMS,
                                                    band_loops, consumer_block,
                                                    interpreter_fits, launch, mma, pick,
                                                    produce, produce_kv, program_ids, ring_slot,
@@ -425,22 +426,18 @@ def _static(plan, q, k, heads, fused_dq: bool = False):
         scale=plan.scale, interpret=plan.interpret, consumers=consumers)
 
 
-# shared memory a Mosaic GPU program may take on Hopper (``shared_memory_per_block_optin``),
-# and what the dQ kernel's row buffers and barriers take beside its tiles, rounded up
-SMEM_BYTES = 232448
-DQ_SMEM_SLACK = 4096
-
-
 def delta_fits(plan, dtype) -> bool:
     """Whether the dQ kernel has the shared memory to load O and compute delta itself: a third
-    [block_q, D] tile per consumer beside Q, dO and the key/value ring. Not with 128-key
-    blocks at D=128 (every head global, ``mosaic_dq_block_k``: 1,152 bytes over)."""
+    [block_q, D] tile per consumer beside Q, dO and the key/value ring (and the consumers' lse
+    and delta rows), with ``SMEM_SPARE`` left. Not with 128-key blocks at D=128 (every head
+    global, ``mosaic_dq_block_k``: 1,152 bytes over the limit itself)."""
     cfg = plan.config
     block_k = cfg.mosaic_dq_block_k or cfg.mosaic_bwd_block_k
-    tiles = (3 * cfg.mosaic_bwd_consumers * cfg.mosaic_bwd_block_q
-             + 2 * cfg.mosaic_stages * block_k)  # rows of Q, dO, O; of the K and V ring
-    return (tiles * plan.head_dim_padded * jnp.dtype(dtype).itemsize + DQ_SMEM_SLACK
-            <= SMEM_BYTES)
+    consumers, block_q = cfg.mosaic_bwd_consumers, cfg.mosaic_bwd_block_q
+    tiles = 3 * consumers * block_q + 2 * cfg.mosaic_stages * block_k  # Q, dO, O; K, V ring
+    row_bytes = 2 * consumers * block_q * 4  # float32 lse and delta
+    return (tiles * plan.head_dim_padded * jnp.dtype(dtype).itemsize + row_bytes
+            <= SMEM_BYTES - SMEM_SPARE)
 
 
 def dq_call_mosaic(plan, q, k, v, do, lse2, delta=None, heads=None, *, out=None):

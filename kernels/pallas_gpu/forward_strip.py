@@ -38,9 +38,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import cdiv, kv_block_range
-from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, TILE_TRANSFORMS,
-                                                   interpreter_fits, launch, mma, produce_kv,
-                                                   program_ids, ring_slot, row_min, run_into,
+from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, SMEM_BYTES, SMEM_SPARE,
+                                                   TILE_TRANSFORMS, interpreter_fits, launch,
+                                                   mma, produce_kv, program_ids, ring_slot,
+                                                   row_min, run_into,
                                                    selected_heads, softmax_carry, softmax_step,
                                                    store_rows, tile_allowed)
 from ls_jax.kernels.pallas_gpu.plan import STRIP_BLOCK, STRIP_HEAD_DIM
@@ -48,9 +49,6 @@ from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, split_kv_loop
 
 STRIP_CONSUMERS = 3
 MAX_STRIP = 128  # query blocks per strip (longer strips were not measured)
-SMEM_BYTES = 232448  # an H100's shared memory per block (the kernel's launch checks it)
-# what Mosaic GPU adds to our buffers (barriers, alignment): 2,368-2,400 bytes in run O (O2-O3)
-SMEM_SPARE = 4096
 DEFAULT_SMS = 132  # an H100 SXM's SMs, when no GPU is there to ask (interpret mode)
 
 

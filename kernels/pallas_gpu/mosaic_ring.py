@@ -54,6 +54,12 @@ def launch_registers(warpgroups: int) -> int:
 # the lowering's constraints (why a call may not take this path: ``mosaic_fits``)
 MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
 MOSAIC_HEAD_DIM = 64  # head size must be a multiple of this (128-byte swizzled rows)
+# shared memory a Mosaic GPU program may take on an H100/H200 (``shared_memory_per_block_optin``;
+# the kernel's launch checks it), and what Mosaic GPU adds to our buffers (barriers,
+# alignment: 2,368-2,400 bytes in run O, O2-O3), rounded up: the kernels that size their
+# buffers by the case (``forward_strip.strip_fits``, ``backward_mosaic.delta_fits``) keep it
+SMEM_BYTES = 232448
+SMEM_SPARE = 4096
 
 
 def is_hopper() -> bool:

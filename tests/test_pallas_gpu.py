@@ -678,6 +678,7 @@ def test_mosaic_kernels_lower_for_the_gpu_on_cpu(D, windows, config):
     x = jax.ShapeDtypeStruct((1, plan.seq_len_padded, H, D), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((1, H, plan.seq_len_padded), jnp.float32)
     fused = plan.config.mosaic_fused_dq
+
     def lower(kernel, *args):
         return jax.jit(lambda *a: kernel(plan, *a)).trace(*args).lower(
             lowering_platforms=("cuda",))
@@ -735,6 +736,18 @@ def test_mosaic_dkdv_sums_gqa_groups_in_the_kernel(D):
     assert "mosaic_gpu" in lowered.as_text()
     with pytest.raises(ValueError, match="one kv head per query head"):
         dkdv_call_mosaic(plan(True), *args, heads=(0,))
+
+
+def test_mosaic_dq_without_delta_or_out_is_a_clear_error():
+    from ls_jax.kernels.pallas_gpu.backward_mosaic import dq_call_mosaic
+    from ls_jax.kernels.pallas_gpu.plan import make_plan
+
+    plan = make_plan(seq_len=128, head_dim=64, windows=(None,), num_kv_heads=1,
+                     dtype=jnp.bfloat16, scale=0.125, config=mosaic_config(bwd="mosaic"),
+                     logit_stats=False, interpret=True)
+    x = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="expected out .* when delta is None"):
+        dq_call_mosaic(plan, x, x, x, x, jnp.zeros((1, 1, 128), jnp.float32))
 
 
 def test_strip_forward_lowers_for_the_gpu_on_cpu():

@@ -1,0 +1,41 @@
+"""Run W6: the LS forward (D=64, p=128, B=4) as two launches (the global heads' Hopper tiles,
+then the local heads' strips: the default) against one launch (local_fwd_lowering="joint"),
+the launches alone, interleaved repeats; with and without the statistics."""
+import dataclasses, time
+import numpy as np, jax, jax.numpy as jnp
+from ls_jax.kernels.pallas_gpu.forward import forward_call
+from ls_jax.kernels.pallas_gpu.plan import make_plan
+
+gpu = jax.devices()[0].platform == "gpu"
+B, H, D = (4, 16, 64) if gpu else (1, 4, 64)
+cases = [(n, g, st) for n in (8192, 32768) for g in (1, 2) for st in (False, True)] if gpu \
+    else [(256, 1, True)]
+rounds, inner = (15, 10) if gpu else (1, 1)
+print("| n | global heads | stats | two launches ms | one launch ms | one/two | max diff |")
+for n, g, stats in cases:
+    windows = (None,) * g + (128,) * (H - g)
+    plan = make_plan(seq_len=n, head_dim=D, windows=windows, num_kv_heads=H, dtype=jnp.bfloat16,
+                     scale=D ** -0.5, config=None, logit_stats=stats, interpret=not gpu, batch=B)
+    if not gpu:
+        plan = dataclasses.replace(plan, config=dataclasses.replace(
+            plan.config, local_fwd_lowering="strip", fwd_lowering="mixed"))
+    assert plan.config.local_fwd_lowering == "strip" and plan.config.fwd_lowering == "mixed"
+    joint = dataclasses.replace(plan, config=dataclasses.replace(
+        plan.config, local_fwd_lowering="joint"))
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (B, plan.seq_len_padded, H, D), jnp.bfloat16)
+               for kk in keys)
+    fns = [jax.jit(lambda q, k, v, p=p: forward_call(p, q, k, v, None)) for p in (plan, joint)]
+    outs = [jax.block_until_ready(f(q, k, v)) for f in fns]
+    diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+               for a, b in zip(outs[0], outs[1]) if a is not None)
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for t, f in zip(times, fns):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                r = f(q, k, v)
+            jax.block_until_ready(r)
+            t.append((time.perf_counter() - t0) / inner * 1e3)
+    a, b = (float(np.median(t)) for t in times)
+    print(f"| {n} | {g} | {stats} | {a:.4f} | {b:.4f} | {b / a:.3f} | {diff:.2e} |", flush=True)

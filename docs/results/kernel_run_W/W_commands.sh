@@ -49,3 +49,6 @@ B="python bench/attention.py --d 64 --reps 8 --batch 3 --impl cudnn_ls,ours --p 
 C='--cfg "" --cfg local_fwd_lowering=joint --cfg "" --cfg local_fwd_lowering=joint'
 eval timeout 100 $B --n 8192 $C > $OUT/W6_n8192.txt 2>&1
 eval timeout 120 $B --n 32768 --reps 6 --batch 2 $C > $OUT/W6_n32768.txt 2>&1
+
+# ---- W7 (W7_ratio.txt; a fourth machine, on 3c532ca's kernels)
+timeout 300 python scratch/W7_ratio.py

@@ -52,3 +52,8 @@ eval timeout 120 $B --n 32768 --reps 6 --batch 2 $C > $OUT/W6_n32768.txt 2>&1
 
 # ---- W7 (W7_ratio.txt; a fourth machine, on 3c532ca's kernels)
 timeout 300 python scratch/W7_ratio.py
+
+# ---- W8, W8b (W8_ab.txt, W8b_ab.txt; a fifth machine, on W8_joint_interleaved.diff applied
+# to 2e06af8: W6's one launch with forward_joint.INTERLEAVE, which W8_ab.py toggles)
+timeout 400 python scratch/W8_ab.py
+timeout 300 python scratch/W8b_ab.py

@@ -56,4 +56,6 @@ timeout 300 python scratch/W7_ratio.py
 # ---- W8, W8b (W8_ab.txt, W8b_ab.txt; a fifth machine, on W8_joint_interleaved.diff applied
 # to 2e06af8: W6's one launch with forward_joint.INTERLEAVE, which W8_ab.py toggles)
 timeout 400 python scratch/W8_ab.py
+# W8b_ab.py is W8_ab.py with other cases and 21 rounds, made by:
+sed 's/cases = \[(8192, 1, False), (8192, 2, False), (32768, 1, False), (32768, 2, False),/cases = [(32768, 1, False), (32768, 1, True), (16384, 1, False), (32768, 1, False),/; s/         (32768, 1, True)\] if gpu/         (65536 \/\/ 2, 2, False)] if gpu/; s/rounds, inner = (15, 10)/rounds, inner = (21, 10)/' scratch/W8_ab.py > scratch/W8b_ab.py
 timeout 300 python scratch/W8b_ab.py

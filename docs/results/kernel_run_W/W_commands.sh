@@ -59,3 +59,6 @@ timeout 400 python scratch/W8_ab.py
 # W8b_ab.py is W8_ab.py with other cases and 21 rounds, made by:
 sed 's/cases = \[(8192, 1, False), (8192, 2, False), (32768, 1, False), (32768, 2, False),/cases = [(32768, 1, False), (32768, 1, True), (16384, 1, False), (32768, 1, False),/; s/         (32768, 1, True)\] if gpu/         (65536 \/\/ 2, 2, False)] if gpu/; s/rounds, inner = (15, 10)/rounds, inner = (21, 10)/' scratch/W8_ab.py > scratch/W8b_ab.py
 timeout 300 python scratch/W8b_ab.py
+
+# ---- W9 (W9_inference_wide.txt, inference_wide_W9.json; a sixth machine, 3c532ca's kernels)
+timeout 430 python bench/inference.py --shapes wide --windows 128 --seq-lens 8192 --batches 1,8 --contexts 8192 --decode-batches 64 --decode-impls pallas_gpu --out $OUT/inference_wide_W9.json

@@ -304,13 +304,11 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
         in_kernel = plan.config.delta_in_kernel
         mosaic_delta = in_kernel and not fused and delta_fits(plan, q.dtype)
         if lowering == "mosaic" or len(wide) == H:
+            delta = None if mosaic_delta else row_delta(out, do)  # (never None when fused)
             if fused:
-                dk, dv, dq = dkdv_call_mosaic(plan, q, k, v, do, lse2, row_delta(out, do),
-                                              fused_dq=True)
+                dk, dv, dq = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, fused_dq=True)
             else:
-                dq, delta = dq_call_mosaic(plan, q, k, v, do, lse2,
-                                           None if mosaic_delta else row_delta(out, do),
-                                           out=out)
+                dq, delta = dq_call_mosaic(plan, q, k, v, do, lse2, delta, out=out)
                 dk, dv = dkdv_call_mosaic(plan, q, k, v, do, lse2, delta)
             return dq, dk, dv
         if wide and G == H:

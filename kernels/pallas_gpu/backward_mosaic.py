@@ -475,8 +475,7 @@ def dq_call_mosaic(plan, q, k, v, do, lse2, delta=None, heads=None, *, out=None)
     run = launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
                  interpret=plan.interpret, consumers=consumers)
     if in_kernel:
-        dq, delta = run(q, k, v, do, lse2, out)
-        return dq, delta
+        return tuple(run(q, k, v, do, lse2, out))
     return run(q, k, v, do, lse2, delta), delta
 
 

@@ -1,6 +1,6 @@
 # Run X (2026-11-27): the commands of each call, as run from the repository root on the device
-# machine, all on nvidia-h100-x1 (an H100 80GB HBM3, driver 580.159.04, ncu 2025.3.1; eight
-# machines: X1, X2, X3, X4, X5-X6, X7, X8, X9-X10). Scripts named scratch/... are the copies in
+# machine, all on nvidia-h100-x1 (an H100 80GB HBM3, driver 580.159.04, ncu 2025.3.1; nine
+# machines: X1, X2, X3, X4, X5-X6, X7, X8, X9-X10, X11). Scripts named scratch/... are the copies in
 # this folder. The kernels are e6f83f7's, with X_whole_band_and_probes.diff applied for X1-X8
 # (X1 ran a first version of the whole band, with every block masked from its position; X5-X8
 # the diff as kept: masks fixed at trace time where the band starts inside the sequence, the
@@ -52,3 +52,7 @@ timeout 480 python -P -m pytest -v -n 4 -m gpu tests/test_pallas_gpu.py tests/te
 # ---- X10 (X10_ncu_stream.txt): that stream's kernel under ncu (an earlier try with -c 12 and
 # no kernel filter caught only the inputs' random-number kernels)
 timeout 200 ncu --clock-control none --section SpeedOfLight -k regex:"add|reduce" -c 4 -f -o $OUT/X10 python scratch/X9_copy.py
+
+# ---- X11 (X11_ab.txt; a ninth machine, on X11_load_ahead_out_tiles.diff applied to e6f83f7:
+# forward_strip.Q_SLOTS / OUT_SLOTS, which X11_ab.py toggles)
+timeout 300 python scratch/X11_ab.py

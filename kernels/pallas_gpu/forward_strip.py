@@ -43,7 +43,8 @@ from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, SMEM_BYTES, SMEM_S
                                                    mma, produce_kv, program_ids, ring_slot,
                                                    row_min, run_into,
                                                    selected_heads, softmax_carry, softmax_step,
-                                                   store_rows, tile_allowed)
+                                                   store_rows, strip_bounds, strip_share,
+                                                   tile_allowed, walk_strip)
 from ls_jax.kernels.pallas_gpu.plan import STRIP_BLOCK, STRIP_HEAD_DIM
 from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, split_kv_loop
 
@@ -97,11 +98,8 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
     q_smem, k_smem, v_smem, o_smem, lse_smem, stat_smem = smem
     b, h, window, wg = program_ids(heads, windows)
     block = STRIP_BLOCK
-    num_blocks = seq_len // block
-    strip_first = lax.axis_index("tile") * strip
-    strip_end = jnp.minimum(strip_first + strip, num_blocks)
-    stream_first, _ = kv_block_range(strip_first, block, block, window, seq_len)
-    _, stream_end = kv_block_range(strip_end - 1, block, block, window, seq_len)
+    strip_first, strip_end, stream_first, stream_end = strip_bounds(
+        kv_block_range, strip, block, window, seq_len)
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
     c = score_scale
@@ -113,11 +111,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
     @pl.when(wg < consumers)
     def _consumer():
         plgpu.set_max_registers(consumer_registers, action="increase")
-        # this consumer's query blocks: strip_first + wg + consumers * t, t < count
-        count = lax.div(strip_end - strip_first - wg + consumers - 1, jnp.int32(consumers))
-
-        def q_block_of(t):
-            return strip_first + wg + consumers * t
+        count, q_block_of = strip_share(strip_first, strip_end, wg, consumers)
 
         def load_q(t):
             slot = lax.rem(t, jnp.int32(2))
@@ -134,17 +128,14 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
             plgpu.barrier_arrive(k_free.at[slot_of(j)])
             plgpu.barrier_arrive(v_free.at[slot_of(j)])
 
-        def query_block(t, carry):
-            waited, released = carry  # stream blocks [.., waited) waited, [.., released) freed
-            i = q_block_of(t)
+        def query_block(t, i, wait_streamed):
             q_first = i * block
             slot = lax.rem(t, jnp.int32(2))
             pl.when(t + 1 < count)(functools.partial(load_q, t + 1))
             plgpu.barrier_wait(q_loaded.at[wg * 2 + slot])
             q_tile = q_smem.at[wg, slot]
             first, lo, hi, end = split_kv_loop(i, block, block, window, seq_len)
-            lax.fori_loop(waited, end, wait_block, None)
-            waited = jnp.maximum(waited, end)
+            wait_streamed(end)
 
             def step(j, carry, masked: bool):
                 acc_QxD, m_Q, l_Q, *min_Q = carry
@@ -172,15 +163,10 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
                        stat_smem.at[wg] if with_stats else None, out_ref, lse_ref, stat_ref,
                        b=b, h=h, q_first=q_first, scale=scale)
 
-            # the blocks this consumer's next query block does not need go back to the producer
-            next_first, _ = kv_block_range(i + consumers, block, block, window, seq_len)
-            keep = jnp.minimum(jnp.where(t + 1 < count, next_first, stream_end), waited)
-            lax.fori_loop(released, keep, release_block, None)
-            return waited, jnp.maximum(released, keep)
-
-        waited, released = lax.fori_loop(0, count, query_block, (stream_first, stream_first))
-        lax.fori_loop(waited, stream_end, wait_block, None)  # every phase observed
-        lax.fori_loop(released, stream_end, release_block, None)
+        # a block's successor (i + consumers) needs the key blocks from its band's first
+        walk_strip(count, q_block_of,
+                   lambda i: kv_block_range(i + consumers, block, block, window, seq_len)[0],
+                   stream_first, stream_end, wait_block, release_block, query_block)
         plgpu.wait_smem_to_gmem(0)
 
     pl.when(wg == consumers)(functools.partial(

@@ -177,6 +177,66 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, loaded, free, *, b, kv_head, block_
     produce(first, end, stages, load, wait_free)
 
 
+def strip_bounds(block_range, strip: int, block: int, window, seq_len: int):
+    """(strip_first, strip_end, stream_first, stream_end) of the running strip program: its own
+    blocks [strip_first, strip_end) (``strip`` a program, grid axis "tile") and the streamed
+    blocks [stream_first, stream_end) they need together; ``block_range`` gives an own
+    block's streamed range (``kernels.band.kv_block_range`` for the forward's query blocks;
+    one ``block`` size on both sides)."""
+    strip_first = lax.axis_index("tile") * strip
+    strip_end = jnp.minimum(strip_first + strip, seq_len // block)
+    stream_first, _ = block_range(strip_first, block, block, window, seq_len)
+    _, stream_end = block_range(strip_end - 1, block, block, window, seq_len)
+    return strip_first, strip_end, stream_first, stream_end
+
+
+def strip_share(strip_first, strip_end, wg, consumers: int):
+    """(count, own_block): consumer ``wg`` takes the strip's blocks strip_first + wg,
+    strip_first + wg + consumers, ...: ``count`` of them, the t-th ``own_block(t)``."""
+    count = lax.div(strip_end - strip_first - wg + consumers - 1, jnp.int32(consumers))
+
+    def own_block(t):
+        return strip_first + wg + consumers * t
+
+    return count, own_block
+
+
+def walk_strip(count, own_block, next_first, stream_first, stream_end, wait_block,
+               release_block, visit):
+    """A strip consumer's walk over its own blocks ``own_block(t)``, t < count (it takes every
+    ``consumers``-th block of the strip), while a producer streams the strip's other side
+    [stream_first, stream_end) through the ring once (``forward_strip.py``).
+
+    ``visit(t, i, wait_streamed)`` computes own block i; it calls ``wait_streamed(end)`` once,
+    before it reads the ring, to wait for the streamed blocks up to ``end`` (exclusive). A
+    consumer waits for every streamed block once, in stream order (the lowering tracks a
+    barrier's phase per thread, so no block may be skipped or waited twice), and after each
+    own block releases (``release_block``) the blocks its next one, starting at
+    ``next_first(i)``, does not need; at the end it waits for and releases the rest. A
+    consumer holds every block it has waited for until its block is done, so at a strip's
+    start the last consumer holds the stream from the strip's first block: the ring needs
+    ``forward_strip.strip_stages`` slots (tests/test_strip_ring.py replays the protocol)."""
+    def one(t, carry):
+        waited, released = carry  # stream blocks [.., waited) waited, [.., released) freed
+        i = own_block(t)
+        after = []  # ``waited`` once visit has waited (set inside visit, in its place)
+
+        def wait_streamed(end):
+            lax.fori_loop(waited, end, wait_block, None)
+            after.append(jnp.maximum(waited, end))
+
+        visit(t, i, wait_streamed)
+        (waited,) = after
+        first = next_first(i)
+        keep = jnp.minimum(jnp.where(t + 1 < count, first, stream_end), waited)
+        lax.fori_loop(released, keep, release_block, None)
+        return waited, jnp.maximum(released, keep)
+
+    waited, released = lax.fori_loop(0, count, one, (stream_first, stream_first))
+    lax.fori_loop(waited, stream_end, wait_block, None)  # every phase observed
+    lax.fori_loop(released, stream_end, release_block, None)
+
+
 def program_ids(heads: tuple[int, ...], windows: tuple[int, ...]):
     """(batch, head, window, warpgroup) of the running program: grid axis "heads" indexes the
     static tuple of heads the call computes."""

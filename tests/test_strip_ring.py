@@ -16,19 +16,18 @@ import pytest
 
 from ls_jax.kernels.band import kv_block_range
 from ls_jax.kernels.pallas_gpu.forward_strip import strip_stages
-from ls_jax.kernels.pallas_gpu.mosaic_ring import strip_share, walk_strip
+from ls_jax.kernels.pallas_gpu.mosaic_ring import strip_bounds, strip_share, walk_strip
 
 BLOCK = 64
 
 
-def consumer_actions(block_range, window, seq_len, strip_first, strip_end, wg, consumers):
-    """The recorded ("wait" | "release" | "read", block) actions of consumer ``wg``."""
-    stream_first = block_range(strip_first, BLOCK, BLOCK, window, seq_len)[0]
-    stream_end = block_range(strip_end - 1, BLOCK, BLOCK, window, seq_len)[1]
+def consumer_actions(window, seq_len, tile, strip, wg, consumers):
+    """The recorded ("wait" | "release" | "read", block) actions of consumer ``wg`` of strip
+    ``tile``, and the strip's streamed blocks [stream_first, stream_end)."""
     actions = []
 
     def band(i):
-        return block_range(int(i), BLOCK, BLOCK, window, seq_len)
+        return kv_block_range(int(i), BLOCK, BLOCK, window, seq_len)
 
     def visit(t, i, wait_streamed):
         first, end = band(i)
@@ -36,11 +35,13 @@ def consumer_actions(block_range, window, seq_len, strip_first, strip_end, wg, c
         actions.extend(("read", j) for j in range(first, end))
 
     with jax.disable_jit():
+        strip_first, strip_end, stream_first, stream_end = strip_bounds(
+            kv_block_range, tile, strip, BLOCK, window, seq_len)
         count, own_block = strip_share(strip_first, strip_end, wg, consumers)
         walk_strip(count, own_block, lambda i: band(i + consumers)[0], stream_first,
                    stream_end, lambda j, _: actions.append(("wait", int(j))),
                    lambda j, _: actions.append(("release", int(j))), visit)
-    return actions, stream_first, stream_end
+    return actions, int(stream_first), int(stream_end)
 
 
 def replay(per_consumer, stream_first, stream_end, stages):
@@ -86,15 +87,15 @@ def replay(per_consumer, stream_first, stream_end, stages):
             return f"deadlock: producer at block {produced}, consumers at {position}"
 
 
-def check(block_range, window, num_blocks, strip, consumers, stages):
+def check(window, num_blocks, strip, consumers, stages):
+    """None, or what failed in the first strip (of ``strip`` query blocks) that fails."""
     seq_len = num_blocks * BLOCK
-    for strip_first in range(0, num_blocks, strip):
-        strip_end = min(strip_first + strip, num_blocks)
-        walks = [consumer_actions(block_range, window, seq_len, strip_first, strip_end, wg,
-                                  consumers) for wg in range(consumers)]
+    for tile in range(-(-num_blocks // strip)):
+        walks = [consumer_actions(window, seq_len, tile, strip, wg, consumers)
+                 for wg in range(consumers)]
         failure = replay([w[0] for w in walks], walks[0][1], walks[0][2], stages)
         if failure:
-            return f"strip [{strip_first}, {strip_end}): {failure}"
+            return f"strip {tile}: {failure}"
     return None
 
 
@@ -107,8 +108,7 @@ def test_forward_ring_never_deadlocks(consumers):
     """The forward's strips keep every waited block until their block is done, with the ring
     ``strip_stages`` sizes."""
     for window, (blocks, strip) in itertools.product(WINDOWS, GEOMETRIES):
-        failure = check(kv_block_range, window, blocks, strip, consumers,
-                        strip_stages(window, consumers))
+        failure = check(window, blocks, strip, consumers, strip_stages(window, consumers))
         assert failure is None, (window, blocks, strip, failure)
 
 
@@ -116,7 +116,7 @@ def test_a_short_ring_deadlocks():
     """The check can fail: with six slots for p=256 and three consumers (what run Y's dQ strips
     first had: shared memory held no more) each consumer holds the strip's first blocks until
     its own block is done, and the third cannot get its last block (an H100 hung on it)."""
-    failure = check(kv_block_range, 256, 32, 3, 3, 6)
+    failure = check(256, 32, 3, 3, 6)
     assert failure is not None and "deadlock" in failure
     assert strip_stages(256, 3) > 6
 

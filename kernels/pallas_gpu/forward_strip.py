@@ -99,7 +99,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
     b, h, window, wg = program_ids(heads, windows)
     block = STRIP_BLOCK
     strip_first, strip_end, stream_first, stream_end = strip_bounds(
-        kv_block_range, strip, block, window, seq_len)
+        kv_block_range, lax.axis_index("tile"), strip, block, window, seq_len)
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
     c = score_scale

@@ -177,13 +177,13 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, loaded, free, *, b, kv_head, block_
     produce(first, end, stages, load, wait_free)
 
 
-def strip_bounds(block_range, strip: int, block: int, window, seq_len: int):
-    """(strip_first, strip_end, stream_first, stream_end) of the running strip program: its own
-    blocks [strip_first, strip_end) (``strip`` a program, grid axis "tile") and the streamed
-    blocks [stream_first, stream_end) they need together; ``block_range`` gives an own
-    block's streamed range (``kernels.band.kv_block_range`` for the forward's query blocks;
-    one ``block`` size on both sides)."""
-    strip_first = lax.axis_index("tile") * strip
+def strip_bounds(block_range, tile, strip: int, block: int, window, seq_len: int):
+    """(strip_first, strip_end, stream_first, stream_end) of strip ``tile`` (the program's grid
+    index "tile"): its own blocks [strip_first, strip_end) (``strip`` a program) and the
+    streamed blocks [stream_first, stream_end) they need together; ``block_range`` gives an
+    own block's streamed range (``kernels.band.kv_block_range`` for the forward's query
+    blocks; one ``block`` size on both sides)."""
+    strip_first = tile * strip
     strip_end = jnp.minimum(strip_first + strip, seq_len // block)
     stream_first, _ = block_range(strip_first, block, block, window, seq_len)
     _, stream_end = block_range(strip_end - 1, block, block, window, seq_len)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from experiments import stability
+from experiments import paper_batch, stability
 from experiments.stability_report import count_spikes, summarize
 from ls_jax.configs import get_config
 
@@ -72,3 +72,27 @@ def test_count_spikes():
     assert count_spikes([3.0, 2.9, 2.8, 2.7]) == 0
     assert count_spikes([3.0, 2.9, 2.8, 5.0, 2.7]) == 1
     assert count_spikes([3.0, 2.9, float("nan")]) == 1
+
+
+# -- the paper-batch run's rounds and the verdict on the paper's claims ----------------------
+
+@pytest.mark.parametrize("case, args, expected", [
+    ("first round, to the first eval point", (0, 10430, 1000), 1000),
+    ("a round ends at the next eval point", (2500, 10430, 1000), 500),
+    ("the last round ends at the target", (10000, 10430, 1000), 430),
+    ("no pace yet: the round is not cut", (0, 10430, 1000, 5.0, None), 1000),
+    ("the time left fits the whole round", (1000, 10430, 1000, 100.0, 0.05), 1000),
+    ("cut to what fits, with the margin", (8000, 10430, 1000, 10.0, 0.05),
+     int(10.0 * paper_batch.PACE_MARGIN / 0.05)),
+    ("nothing fits", (8000, 10430, 1000, 0.01, 0.05), 0),
+    ("the deadline has passed", (8000, 10430, 1000, -3.0, 0.05), 0),
+])
+def test_next_round(case, args, expected):
+    assert paper_batch.next_round(*args) == expected, case
+
+
+def test_variants_to_run_reruns_only_missing_and_unfinished():
+    results = {"variants": {"ls": {"state": "stopped"}, "mhsa": {"state": "running"},
+                            "mhsa_qknorm": {"state": "diverged"}}}
+    assert paper_batch.variants_to_run(results, ("ls", "mhsa", "mhsa_qknorm", "mhsa_zloss")) == [
+        "mhsa", "mhsa_zloss"]

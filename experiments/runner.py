@@ -182,6 +182,7 @@ class RunRecord:
     state: str = "not started"  # "finished", "diverged" (non-finite loss) or "stopped" (time)
     steps: int = 0
     loss: list[float] = dataclasses.field(default_factory=list)
+    ce: list[float] = dataclasses.field(default_factory=list)  # the loss less its z-loss term
     grad_norm: list[float] = dataclasses.field(default_factory=list)
     lr: list[float] = dataclasses.field(default_factory=list)
     max_abs_logit: list[float] = dataclasses.field(default_factory=list)
@@ -194,6 +195,16 @@ class RunRecord:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def extend(self, later: "RunRecord") -> None:
+        """Appends ``later``: a ``run_steps`` call that continued this record's run."""
+        for name in ("loss", "ce", "grad_norm", "lr", "max_abs_logit", "lm_head_max_abs_logit",
+                     "attn_max_abs_logit_tables"):
+            getattr(self, name).extend(getattr(later, name))
+        tokens = self.tokens_per_sec * self.seconds + later.tokens_per_sec * later.seconds
+        self.seconds += later.seconds
+        self.tokens_per_sec = tokens / max(self.seconds, 1e-9)
+        self.state, self.steps, self.diverged_at = later.state, later.steps, later.diverged_at
 
 
 def run_steps(program: Program, state, sampler, peak_lr: float, num_steps: int, *,
@@ -217,6 +228,7 @@ def run_steps(program: Program, state, sampler, peak_lr: float, num_steps: int, 
         for step, m in host:
             rec.steps = step
             rec.loss.append(float(m["loss"]))
+            rec.ce.append(float(m["ce"]))
             rec.grad_norm.append(float(m["grad_norm"]))
             rec.lr.append(float(m["lr"]))
             table = np.asarray(m["attn_max_abs_logit"], np.float64)

@@ -143,22 +143,34 @@ def test_sweep_smoke_counts_divergence_resumes_and_refuses_other_settings(tmp_pa
 
 
 def test_paper_batch_smoke_on_four_devices_matches_one_device(tmp_path):
-    """Data parallel over 4 fake CPU devices gives the single-device losses."""
+    """Two variants trained together in rounds on 4 fake CPU devices, the time budget cutting
+    them after step 4 of 5: the same steps for both, the held-out loss at every round, and the
+    losses of one uninterrupted single-device run."""
     script = textwrap.dedent(f"""
         import json, numpy as np, jax
         from experiments import paper_batch, runner
         from experiments.byte_corpus import WindowSampler, build_corpus
         assert jax.device_count() == 4
-        res = paper_batch.run({str(tmp_path)!r}, "smoke", ("mhsa",), max_steps=4,
-                              log=lambda m: None)
-        s = res["variants"]["mhsa"]
-        assert res["device"]["count"] == 4 and s["steps"] == 4 and not s["diverged"], s
-        cfg = runner.variant_config("mhsa", paper_batch.PRESETS["smoke"]["overrides"])
+        plan = paper_batch.next_round  # a deadline with no room after step 4
+        paper_batch.next_round = lambda done, *a: 0 if done >= 4 else plan(done, *a)
+        res = paper_batch.run({str(tmp_path)!r}, "smoke", ("mhsa_qknorm", "mhsa_zloss"),
+                              max_steps=5, time_budget_s=3600, log=lambda m: None)
+        for v in ("mhsa_qknorm", "mhsa_zloss"):
+            s, series = res["variants"][v], res["series"][v]
+            assert res["device"]["count"] == 4 and s["state"] == "stopped", s
+            assert (s["steps"], s["target_steps"]) == (4, 5) and not s["diverged"], s
+            assert [p[0] for p in series["eval"]] == [2, 4], series["eval"]
+            assert s["final_eval_loss"] == series["eval"][-1][1] and s["final_eval_step"] == 4
+        zl = res["series"]["mhsa_zloss"]
+        assert all(loss > ce for loss, ce in zip(zl["loss"], zl["ce"]))  # the z term
+        qk = res["series"]["mhsa_qknorm"]
+        assert qk["loss"] == qk["ce"]
+        cfg = runner.variant_config("mhsa_zloss", paper_batch.PRESETS["smoke"]["overrides"])
         corpus = build_corpus("stdlib", max_bytes=2 * 2**20, validation_percent=2)
         sampler = WindowSampler(corpus.train_N, seq_len=64, batch_size=8, seed=0)
         one = runner.Program(cfg, runner.data_mesh(jax.devices()[:1]))
         _, rec = runner.run_steps(one, one.init(), sampler, cfg.train.lr, 4)
-        np.testing.assert_allclose(res["series"]["mhsa"]["loss"], rec.loss, rtol=1e-3)
+        np.testing.assert_allclose(zl["loss"], rec.loss, rtol=1e-3)
         print("OK")
     """)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
@@ -168,4 +180,4 @@ def test_paper_batch_smoke_on_four_devices_matches_one_device(tmp_path):
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
     assert os.path.getsize(tmp_path / "paper_batch.png") > 10_000
     md = open(tmp_path / "results.md").read()
-    assert "| mhsa | finished | 4 |" in md
+    assert "| mhsa_qknorm | stopped | 4 (5) |" in md and "| mhsa_zloss | stopped | 4 (5) |" in md

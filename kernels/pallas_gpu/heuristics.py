@@ -27,7 +27,7 @@ HOPPER_HEAD_DIM_MULTIPLE = 64  # one 128-byte swizzled row of 16-bit elements
 # and what the lowering adds to our buffers (barriers, alignment), rounded up.
 SMEM_BYTES = 232448
 SMEM_SPARE = 4096
-REFERENCE_SMS = 132  # an H100 SXM's SMs: the GPU that interpret mode plans for
+REFERENCE_SMS = 132  # the SMs of the reference Hopper GPU, which interpret mode plans for
 
 # Three forward consumers make tiles 1.5x longer, so fewer programs: they pay only from this
 # many programs of the global heads (about two waves on the reference GPU).

@@ -108,10 +108,8 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
 
         # The statistics' running row minimum of the scores. With three consumers (160
         # registers) at D=64 it is taken before the exponentials, while one score tile is live
-        # (after them it spilled and cost 5-8%, run L); otherwise after them, off the path from
-        # the row maximum to the exponentials: with two consumers before them cost 11-15%
-        # (run L), with three at D=128 1.985 vs 1.899 ms (n=8192) and 29.98 vs 28.46 ms
-        # (n=32768) every head global (H100, run Q).
+        # (after them it spills); otherwise after them, off the path from the row maximum to
+        # the exponentials.
         early_min = consumers > 2 and head_dim <= 64
 
         def step(j, carry, masked: bool):

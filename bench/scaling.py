@@ -105,7 +105,7 @@ def worker(shape_name: str, shape: dict, mesh_kind: str, steps: int, warmup: int
     data_sharding = sharding_lib.batch_sharding(mesh)
     with jax.set_mesh(mesh):
         # the key is an argument: a constant seed would make XLA constant-fold the random
-        # initialisation at compile time (over 90 s for the 125M shape on an H100)
+        # initialisation at compile time (over a minute for the 125M shape)
         t0 = time.perf_counter()
         state = jax.jit(lambda key: nnx.state(create(key)),
                         out_shardings=state_sharding)(jax.random.key(0))

@@ -8,9 +8,8 @@ Each variant is the paper's config (``ls_jax.configs`` paper / paper_mhsa / pape
 paper_zloss) with byte tokens: 256 x 2048 tokens per step, AdamW lr 6e-4, 2000 warmup steps,
 then cosine to 6e-5 over the paper's 50k-step horizon, bf16, seed 0. The run is data-parallel
 over all visible devices (a mesh with one "data" axis, the batch split over it, parameters
-replicated); the model's attention runs per shard once kernels/sharded.py (issue 9) is in
-the library, and is gathered onto every device before that (``attention_path`` in the results
-says which). Each variant trains for ``--time-per-variant-s`` seconds after its compile (or
+replicated); the model's attention runs per shard (kernels/sharded.py; ``attention_path`` in
+the results says which path ran). Each variant trains for ``--time-per-variant-s`` seconds after its compile (or
 ``--max-steps``), on the same batches in the same order; the schedule is the paper's, cut short.
 
 Data: every ``.py`` file of the standard library and the installed packages of the machine

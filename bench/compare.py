@@ -36,11 +36,14 @@ def prepare(tree: pathlib.Path) -> pathlib.Path:
     return tree
 
 
-def run(tree: pathlib.Path, bench_args: list[str]) -> dict:
-    """The benchmark's rows from ``tree``: {key: row}."""
+def run(tree: pathlib.Path, bench_args: list[str], timeout_s: int) -> dict:
+    """The benchmark's rows from ``tree``: {key: row}; a run past ``timeout_s`` (0: none) is
+    stopped with SIGTERM and keeps the rows it measured."""
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, str(tree / "bench" / "attention.py"), *bench_args],
-                          env=env, capture_output=True, text=True, cwd=tree)
+    command = [sys.executable, str(tree / "bench" / "attention.py"), *bench_args]
+    if timeout_s:
+        command = ["timeout", str(timeout_s), *command]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tree)
     rows = {}
     for line in proc.stdout.splitlines():
         if line.startswith("{"):
@@ -59,6 +62,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tolerance", type=float, default=1.03, help="new/old above this is marked")
     ap.add_argument("--json", type=pathlib.Path, help="write every row of every run here")
+    ap.add_argument("--run-timeout-s", type=int, default=0,
+                    help="stop each benchmark run after this many seconds (0: no limit)")
     ap.add_argument("bench_args", nargs=argparse.REMAINDER,
                     help="-- then the arguments of bench/attention.py")
     args = ap.parse_args()
@@ -69,7 +74,7 @@ def main():
     runs = {"old": [], "new": []}
     for r in range(args.rounds):
         for name in ("old", "new") if r % 2 == 0 else ("new", "old"):
-            runs[name].append(run(trees[name], bench_args))
+            runs[name].append(run(trees[name], bench_args, args.run_timeout_s))
             print(f"round {r + 1}: {name} done ({len(runs[name][-1])} rows)", flush=True)
     if args.json:
         args.json.write_text(json.dumps({k: [list(r.values()) for r in v]

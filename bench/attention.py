@@ -29,7 +29,8 @@ Examples:
   # the split dispatch against ours and the cuDNN composition:
   python bench/attention.py --check --d 128 --n 32768,65536 --p 128,512 --mix 2g14l,1g15l
       --impl ours,split,cudnn_ls
-  python bench/attention.py --cfg fwd_block_k=128,fwd_num_warps=8 --cfg fwd_block_k=64
+  # what going all-Mosaic would cost: every Triton launch of ours replaced by Mosaic GPU ones
+  python bench/attention.py --d 64 --n 8192 --p 128 --mix 1g15l --launches default,all-mosaic
   # grouped-query attention, 4 key/value heads for 16 query heads:
   python bench/attention.py --d 128 --n 8192 --p 512 --mix 1g15l --kv-heads 4 --impl ours,cudnn_ls
 """
@@ -37,7 +38,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import signal
@@ -56,17 +56,18 @@ import numpy as np
 from ls_jax.kernels import ls_attention
 from hardware import peaks  # bench/hardware.py, beside this script
 from ls_jax.kernels.band import band_flops
-from ls_jax.kernels.pallas_gpu import KernelConfig, default_config, pallas_gpu_attention
+from ls_jax.kernels.pallas_gpu import Launch, Launches, heuristics, pallas_gpu_attention
+from ls_jax.kernels.pallas_gpu.plan import padded_head_dim
 
 L2_BYTES = 50 * 2**20
-MIXES = ("1g15l", "2g14l", "global", "local")
+MIXES = ("1g15l", "2g14l", "4g12l", "global", "local")
 
 
 def head_windows(mix: str, num_heads: int, p: int):
-    if mix == "1g15l":
-        return (None,) + (p,) * (num_heads - 1)
-    if mix == "2g14l":
-        return (None, None) + (p,) * (num_heads - 2)
+    """The windows of a mix: "<g>g<l>l" is g global heads, then local ones."""
+    if mix in ("1g15l", "2g14l", "4g12l"):
+        g = int(mix.split("g")[0])
+        return (None,) * g + (p,) * (num_heads - g)
     if mix == "global":
         return (None,) * num_heads
     if mix == "local":
@@ -74,23 +75,42 @@ def head_windows(mix: str, num_heads: int, p: int):
     raise ValueError(f"--mix: expected one of {MIXES}, got {mix!r}")
 
 
-def parse_config(text: str, dtype, head_dim: int, windows, seq_len: int,
-                 batch: int = 1) -> KernelConfig | None:
-    """None (the backend's own default for the call) or the call's default with overrides."""
-    if not text:
+LAUNCHES = ("default", "all-mosaic")
+
+
+def all_mosaic(case: heuristics.Case) -> Launches:
+    """The heuristics' launches with every Triton launch replaced by Mosaic GPU ones (where
+    the Mosaic kernels take the call): the forward's local heads as strips where they fit,
+    else every head on the Hopper forward; the backward on the Hopper kernels."""
+    launches = heuristics.launches(case)
+    if not heuristics.hopper_runs(case):
+        return launches
+    everything = tuple(range(case.num_heads))
+    forward = launches.forward
+    if any(launch.lowering == "triton" for launch in forward):
+        local = case.local_heads()
+        if local and heuristics.strip_fits(case, local):
+            forward = tuple(l for l in forward if l.lowering == "hopper") + (
+                Launch("strip", local, heuristics.strip_config(case, local)),)
+        else:
+            forward = (Launch("hopper", everything, heuristics.hopper_forward(case, everything)),)
+    backward = (Launch("hopper", everything, heuristics.hopper_backward(case)),)
+    return Launches(forward=forward, backward=backward, num_heads=case.num_heads,
+                    num_kv_heads=case.num_kv_heads)
+
+
+def choose_launches(name: str, dtype, head_dim: int, windows, seq_len: int, batch: int,
+                    num_kv_heads: int) -> Launches | None:
+    """None (the heuristics' launches, chosen inside the call) or the named variant."""
+    if name == "default":
         return None
-    base = default_config(dtype, head_dim, windows, seq_len, batch)
-    fields = {f.name for f in dataclasses.fields(KernelConfig)}
-    updates = {}
-    for item in text.split(","):
-        key, value = item.split("=")
-        if key not in fields:
-            raise ValueError(f"--cfg: unknown field {key!r}; expected one of {sorted(fields)}")
-        if value.isdigit():
-            updates[key] = int(value)
-        else:  # true/false are flags, anything else a string
-            updates[key] = {"true": True, "false": False}.get(value.lower(), value)
-    return dataclasses.replace(base, **updates)
+    if name not in LAUNCHES:
+        raise ValueError(f"--launches: expected names among {LAUNCHES}, got {name!r}")
+    case = heuristics.Case(dtype=dtype, head_dim=padded_head_dim(head_dim),
+                           windows=tuple(windows), seq_len=seq_len, batch=batch,
+                           num_kv_heads=num_kv_heads, has_segments=False,
+                           gpu=heuristics.current_gpu())
+    return all_mosaic(case)
 
 
 def make_input_sets(B, n, H, D, dtype, seed, kv_heads=None):
@@ -119,14 +139,14 @@ def time_ms(fn, input_sets, reps: int, warmup: int, batch: int) -> float:
     return 1e3 * float(np.median(samples))
 
 
-def attention_fns(impl: str, windows, D: int, config: KernelConfig | None):
+def attention_fns(impl: str, windows, D: int, launches: Launches | None):
     """(forward fn(q,k,v,do) -> out, forward+backward fn(q,k,v,do) -> grads)."""
     scale = 1.0 / float(np.sqrt(D))
     if impl.startswith("ours"):
         stats = impl.startswith("ours_stats")  # the logit statistics on, as training logs them
 
         def attn(q, k, v):
-            return pallas_gpu_attention(q, k, v, windows, scale=scale, config=config,
+            return pallas_gpu_attention(q, k, v, windows, scale=scale, launches=launches,
                                         return_logit_stats=stats)[0]
     elif impl == "cudnn_ls":
         def attn(q, k, v):
@@ -176,9 +196,9 @@ def check_against_cudnn(fwd, fwd_bwd, windows, D, inputs, no_bwd: bool) -> str:
     return f"WRONG ({', '.join(bad)}): {text}" if bad else text
 
 
-def measure(impl, windows, B, n, H, D, input_sets, args, config=None, flops_windows=None):
+def measure(impl, windows, B, n, H, D, input_sets, args, launches=None, flops_windows=None):
     Hkv = input_sets[0][1].shape[2]
-    fwd, fwd_bwd = attention_fns(impl, windows, D, config)
+    fwd, fwd_bwd = attention_fns(impl, windows, D, launches)
     flops_windows = windows if flops_windows is None else flops_windows
     row = {"impl": impl, "fwd_ms": None, "fb_ms": None}
     try:
@@ -242,7 +262,7 @@ def run_sweep(args, rows: list) -> None:
     the rows it measured)."""
     dtype = jnp.bfloat16
     B, H, Hkv = args.batch_size, args.heads, args.kv_heads or args.heads
-    configs = args.cfg or [""]
+    variants = args.launches.split(",")
     impls = args.impl.split(",")
     for D in (int(x) for x in args.d.split(",")):
         for n in (int(x) for x in args.n.split(",")):
@@ -255,11 +275,11 @@ def run_sweep(args, rows: list) -> None:
                                  **measure(impl, causal, B, n, H, D, input_sets, args)})
             ours_impls = [i for i in ("ours", "ours_stats") if i in impls]
             for ours in ours_impls if "global" in args.mix.split(",") else ():
-                for text in configs:
-                    cfg = parse_config(text, dtype, D, causal, n, B)
+                for name in variants:
+                    launches = choose_launches(name, dtype, D, causal, n, B, Hkv)
                     rows.append({**base, "p": "-", "mix": "causal", **measure(
-                        ours + (f"[{text}]" if text else ""), causal, B, n, H, D,
-                        input_sets, args, cfg)})
+                        ours + ("" if name == "default" else f"[{name}]"), causal, B, n, H,
+                        D, input_sets, args, launches)})
             for p in (int(x) for x in args.p.split(",")):
                 for mix in args.mix.split(","):
                     if mix == "global":
@@ -271,11 +291,11 @@ def run_sweep(args, rows: list) -> None:
                                          **measure(peer, windows, B, n, H, D, input_sets,
                                                    args)})
                     for ours in ours_impls:
-                        for text in configs:
-                            cfg = parse_config(text, dtype, D, windows, n, B)
+                        for name in variants:
+                            launches = choose_launches(name, dtype, D, windows, n, B, Hkv)
                             rows.append({**base, "p": p, "mix": mix, **measure(
-                                ours + (f"[{text}]" if text else ""), windows, B, n, H, D,
-                                input_sets, args, cfg)})
+                                ours + ("" if name == "default" else f"[{name}]"), windows,
+                                B, n, H, D, input_sets, args, launches)})
             del input_sets
 
 
@@ -334,9 +354,9 @@ def main():
     ap.add_argument("--p", default="50,128,512", help="local windows")
     ap.add_argument("--mix", default="1g15l,global,local", help=f"head mixes among {MIXES}")
     ap.add_argument("--impl", default="ours,cudnn_ls,cudnn_causal,triton_mha")
-    ap.add_argument("--cfg", action="append",
-                    help="KernelConfig overrides for ours, e.g. fwd_block_k=128,fwd_num_warps=8;"
-                         " repeat to compare variants")
+    ap.add_argument("--launches", default="default",
+                    help=f"ours' launches, comma separated among {LAUNCHES}: the heuristics' "
+                         "choice, or every Triton launch replaced by Mosaic GPU ones")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=0,

@@ -1,23 +1,21 @@
 """What ``ls_attention(..., implementation=None)`` runs: ``choose_implementation`` for a call
 that is differentiated (training) and ``choose_primal_implementation`` for one that is not
 (inference, evaluation, a prefill). Where the two differ, ``kernels/directional.py`` runs each
-in its place from one call site.
-
-Per platform (every row applies to both kinds of call unless it says "not differentiated"):
+in its place from one call site. Which kernels "pallas_gpu" itself launches is decided in
+``pallas_gpu/heuristics.py``; the measurements behind each row are in docs/performance.md.
 
 | platform | case | backend | why |
 |---|---|---|---|
 | cpu | any | "reference" | the pure-JAX twin (dense [B, H, T, S] logits; CPU runs are small) |
 | tpu | any | "pallas_tpu" | the only block-sparse TPU path |
-| cuda ("gpu") | every head global (window None or >= T), no logit statistics, no segment ids, bfloat16/float16, D a multiple of 8 and <= 128 | "cudnn" | full causal attention: on an H100 our kernel (its Hopper kernels) runs the forward at 1.10-1.13x cuDNN's at D=64 (run L) and 1.08-1.11x at D=128 (run Q), but its forward+backward at 0.95-0.99x of cuDNN's (n=8192-32768; docs/performance.md, runs M and Q; 0.86-0.94x in run J), at D=64 a tie since run R (0.987x, 1.016x: one sample each); a call that nothing differentiates takes the next row on Hopper; without the Hopper kernels 0.63-0.82x (run I) |
-| cuda ("gpu"), not differentiated | as the "cudnn" row, on a Hopper GPU (``pallas_gpu.mosaic_ring.is_hopper()``), D a multiple of 64 (where our Hopper forward runs), T >= ``HOPPER_FORWARD_MIN_SEQ_LEN`` | "pallas_gpu" | our all-global Hopper forward against cuDNN's (H100, run S, B=4 H=16): D=64 1.45x (n=1024), 0.96-1.00x (2048: a tie), 1.05x (4096), 1.07-1.11x (8192), 1.08-1.10x (32768); D=128 1.08x, 1.10x, 1.13-1.20x, 1.13x, 1.09x; at n=65536 (B=1) 1.10x and 1.12x (docs/performance.md); a differentiated call of the same case still runs cuDNN forward and backward |
-| cuda ("gpu") | a GPU where our Hopper kernels do not run (``pallas_gpu.mosaic_ring.is_hopper()`` false; ``hopper=``), an LS mix (>= 1 global and >= 1 local head) at T >= 32768 with D > 64 (and <= 128, a multiple of 8), at least 1 head in 8 global, no logit statistics, no segment ids, bfloat16/float16 | "split" (kernels/split.py: cuDNN causal for the global heads, ours for the local ones) | the global heads' O(T^2) work dominates and cuDNN's causal backward beats our Triton one: on an H100 with our Triton-only path, D=128 2 global + 14 local p=128, f+b 19.72 vs 25.53 ms (n=32768) and 17.06 vs 23.16 ms (n=65536) (run J, call 3); on Hopper our kernel beats "split" (every forward; every f+b but one tie) and keeps these mixes |
-| cuda ("gpu") | anything else | "pallas_gpu" | any local head: 2.7x forward / 1.8x forward+backward the cuDNN composition at 1 global + 15 local, p=128, n=8192, D=64; at D=128 (1-2 global heads, p=128-512, n=4096-65536) forward 1.4-2.6x, forward+backward 1.04-1.7x, the grid in one call (the local heads on the Hopper kernels; 0.98x in one row before run T: n=65536, 2 global, p=512) (H100, runs S-U; the composition takes no gathers since run S); logit statistics cost cuDNN an extra pass; cuDNN takes no segment ids or float32 |
-| rocm or other | any | error | the Pallas GPU kernel is written for CUDA (Triton) and "reference" materialises [B, H, T, S] float32 logits: the caller must choose |
+| cuda | every head global, no logit statistics, no segment ids, 16-bit, D a multiple of 8 and <= 128 (``cudnn_fits``) | "cudnn" | full causal attention with nothing to skip: cuDNN's fused forward+backward is at least as fast as ours |
+| cuda, not differentiated | as the "cudnn" row on Hopper, D a multiple of 64, T >= ``HOPPER_FORWARD_MIN_SEQ_LEN`` | "pallas_gpu" | our Hopper forward alone is faster than cuDNN's forward there |
+| cuda, no Hopper kernels | an LS mix at T >= ``SPLIT_MIN_SEQ_LEN``, 64 < D <= 128, at least ``SPLIT_MIN_GLOBAL_SHARE`` of the heads global, cuDNN takes the call (``split_fits``) | "split" (cuDNN causal for the global heads, ours for the local ones) | the global heads' O(T^2) backward dominates, and cuDNN's beats our Triton one; on Hopper our kernels keep these mixes |
+| cuda | anything else | "pallas_gpu" | any local head: ours skips the blocks outside each band; logit statistics, segment ids and float32 are ours alone |
+| rocm or other | any | error | the Pallas GPU kernels are written for CUDA, and "reference" materialises [B, H, T, S] float32 logits: the caller must choose |
 
 The D range is the one ``jax.nn.dot_product_attention(implementation="cudnn")`` accepts on
-every CUDA card (<= 128, a multiple of 8; Hopper also takes up to 256, not measured here).
-The "split" thresholds are the SPLIT_* constants below.
+every CUDA card (<= 128, a multiple of 8).
 """
 
 from __future__ import annotations
@@ -51,19 +49,16 @@ def current_platform() -> str:
     return platform
 
 
-# The "split" rule (the table above), one place to edit it. On a GPU without our Hopper
-# kernels, an LS mix goes to "split" when T >= SPLIT_MIN_SEQ_LEN,
-# SPLIT_MIN_HEAD_DIM_EXCLUSIVE < D <= CUDNN_MAX_HEAD_DIM and at least SPLIT_MIN_GLOBAL_SHARE of
-# its heads are global (16 heads: 2 global is where cuDNN's causal backward pays off against
-# our Triton kernel, run J call 3; 1 global wins f+b by 8% but loses the forward by 36%).
+# The "split" rule (the table above). Without our Hopper kernels, cuDNN's causal backward for
+# the global heads pays for the second launch once they dominate the work: long sequences,
+# wide heads, and at least one head in eight global.
 SPLIT_MIN_SEQ_LEN = 32768
 SPLIT_MIN_HEAD_DIM_EXCLUSIVE = 64
 SPLIT_MIN_GLOBAL_SHARE = Fraction(1, 8)
-# The primal rule (the table above): a call that nothing differentiates and that cuDNN would
-# take (every head global) runs our kernel on a Hopper GPU when our Hopper forward runs it
-# (D a multiple of 64) and T >= HOPPER_FORWARD_MIN_SEQ_LEN.
+# The primal rule (the table above): our Hopper forward takes D a multiple of 64, and beats
+# cuDNN's forward from this length (shorter calls are launch-bound; not measured below it).
 HOPPER_FORWARD_HEAD_DIM_MULTIPLE = 64
-HOPPER_FORWARD_MIN_SEQ_LEN = 1024  # the shortest measured (run S); below it neither was timed
+HOPPER_FORWARD_MIN_SEQ_LEN = 1024
 # what jax.nn.dot_product_attention(implementation="cudnn") takes on every CUDA card
 CUDNN_MAX_HEAD_DIM = 128
 CUDNN_HEAD_DIM_MULTIPLE = 8
@@ -100,8 +95,8 @@ def split_fits(window_sizes: WindowSizes, seq_len: int, head_dim: int, dtype,
 def _runs_hopper_kernels(hopper: bool | None) -> bool:
     """``hopper`` as given, or (None) whether this process's GPU runs our Hopper kernels."""
     if hopper is None:
-        from ls_jax.kernels.pallas_gpu.mosaic_ring import is_hopper
-        return is_hopper()
+        from ls_jax.kernels.pallas_gpu.heuristics import current_gpu
+        return current_gpu().hopper
     return hopper
 
 

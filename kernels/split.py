@@ -63,9 +63,9 @@ def _global_causal_attention(q, k, v, scale: float):
 
 
 def split_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_stats,
-                  interpret, config=None):
-    """The "split" backend (``kernels.api.get_backend``); ``config`` (a
-    ``pallas_gpu.KernelConfig``) overrides the local heads' kernel tiles."""
+                  interpret, launches=None):
+    """The "split" backend (``kernels.api.get_backend``); ``launches`` (a
+    ``pallas_gpu.Launches`` over the local heads) replaces the heuristics' choice for them."""
     check_cudnn_inputs("split", q, segment_ids)
     B, T, H, D = q.shape
     glob, local = split_heads(window_sizes, T)
@@ -81,7 +81,7 @@ def split_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_sta
         k_l, v_l = kv_for_heads(k, v, local, H)
         out_l, stats_l = pallas_gpu_attention(
             take_heads(q, local), k_l, v_l, tuple(window_sizes[h] for h in local),
-            scale=scale, return_logit_stats=return_logit_stats, config=config,
+            scale=scale, return_logit_stats=return_logit_stats, launches=launches,
             interpret=interpret)
         outs.append(out_l)
         stats.append(stats_l)

@@ -94,7 +94,7 @@ def case_directional():
     (primal x2, differentiated x3) so the numbers tell which ran."""
     from ls_jax.config import MeshConfig
     from ls_jax.kernels import api, dispatch
-    from ls_jax.kernels.pallas_gpu import mosaic_ring
+    from ls_jax.kernels.pallas_gpu import heuristics
     from ls_jax.kernels.reference import reference_backend
     from ls_jax.kernels.sharded import ls_attention_sharded
     from ls_jax.sharding import make_mesh
@@ -102,7 +102,7 @@ def case_directional():
     traced = []
     api.get_backend = scaled_get_backend({"pallas_gpu": 2.0, "cudnn": 3.0}, traced)
     dispatch.current_platform = lambda: "cuda"
-    mosaic_ring.is_hopper = lambda: True
+    heuristics.current_gpu = lambda interpret=False: heuristics.Gpu(hopper=True, sms=132)
     B, T, H, D = 4, dispatch.HOPPER_FORWARD_MIN_SEQ_LEN, 2, 64
     kq, kk, kv, kd = jax.random.split(jax.random.key(2), 4)
     q, k, v, do = (jax.random.normal(key, (B, T, H, D), jnp.bfloat16) for key in (kq, kk, kv, kd))

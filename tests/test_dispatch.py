@@ -157,13 +157,14 @@ def test_ls_attention_pairs_backends_by_direction(monkeypatch):
     differentiates it and "cudnn" forward and backward under jax.grad; an LS mix runs
     "pallas_gpu" both ways. Stand-in backends scale the reference's output so that the numbers
     show which one ran."""
-    from ls_jax.kernels.pallas_gpu import mosaic_ring
+    from ls_jax.kernels.pallas_gpu import heuristics
 
     traced = []
     monkeypatch.setattr(api, "get_backend",
                         scaled_get_backend({"pallas_gpu": 2.0, "cudnn": 3.0}, traced))
     monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
-    monkeypatch.setattr(mosaic_ring, "is_hopper", lambda: True)
+    monkeypatch.setattr(heuristics, "current_gpu",
+                        lambda interpret=False: heuristics.Gpu(hopper=True, sms=132))
     q = jax.random.normal(jax.random.key(1), (1, 2048, 2, 64), jnp.bfloat16)
     want = reference_backend(q, q, q, window_sizes=(None, None), segment_ids=None, scale=0.125,
                              return_logit_stats=False, interpret=False)[0].astype(jnp.float32)
@@ -204,10 +205,10 @@ def test_cuda_all_global_runs_ours_forward_and_cudnn_under_grad():
     """The primal row on the GPU: an all-global call's forward-only program holds our Mosaic
     GPU kernel and no cuDNN call; its gradient program holds cuDNN's and none of ours; both
     match the reference."""
-    from ls_jax.kernels.pallas_gpu.mosaic_ring import is_hopper
+    from ls_jax.kernels.pallas_gpu.heuristics import current_gpu
     from ls_jax.kernels.reference import reference_attention_parts
 
-    if not is_hopper():
+    if not current_gpu().hopper:
         pytest.skip("the primal rule applies on Hopper GPUs only")
     T = max(2048, dispatch.HOPPER_FORWARD_MIN_SEQ_LEN)
     keys = jax.random.split(jax.random.key(2), 4)

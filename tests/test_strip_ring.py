@@ -1,4 +1,4 @@
-"""The strip forward's ring protocol (``mosaic_ring.walk_strip`` and ``produce``), checked
+"""The strip forward's ring protocol (``mosaic/ring.walk_strip`` and ``produce``), checked
 without a GPU or the interpreter: each consumer's walk is run eagerly (``jax.disable_jit``)
 with its waits and releases recorded, then replayed against a model of the producer (a block
 is loaded once every consumer has released the block its ring slot held). A protocol
@@ -15,8 +15,8 @@ import jax
 import pytest
 
 from ls_jax.kernels.band import kv_block_range
-from ls_jax.kernels.pallas_gpu.forward_strip import strip_stages
-from ls_jax.kernels.pallas_gpu.mosaic_ring import strip_bounds, strip_share, walk_strip
+from ls_jax.kernels.pallas_gpu.mosaic.ring import strip_bounds, strip_share, walk_strip
+from ls_jax.kernels.pallas_gpu.mosaic.strip import strip_stages
 
 BLOCK = 64
 

@@ -1,12 +1,21 @@
-"""The "pallas_gpu" backend (Pallas Triton): plan.py, forward.py, backward.py, tiles.py, and
-backend.py (padding, custom_vjp, the backend function)."""
+"""The "pallas_gpu" backend: ``heuristics.py`` decides a call's launches (``configs.py``),
+``backend.py`` runs them on the Mosaic GPU (``mosaic/``, Hopper) or Triton (``triton/``)
+lowering; ``plan.py`` the static plan; ``decode.py`` the cached-attention kernel."""
 
 from ls_jax.kernels.pallas_gpu.backend import (
     pallas_gpu_attention,
     pallas_gpu_attention_parts,
     pallas_gpu_backend,
 )
-from ls_jax.kernels.pallas_gpu.plan import KernelConfig, default_config
+from ls_jax.kernels.pallas_gpu.configs import (
+    HopperBackwardConfig,
+    HopperForwardConfig,
+    Launch,
+    Launches,
+    StripConfig,
+    TritonConfig,
+)
 
-__all__ = ["KernelConfig", "default_config", "pallas_gpu_attention",
-           "pallas_gpu_attention_parts", "pallas_gpu_backend"]
+__all__ = ["HopperBackwardConfig", "HopperForwardConfig", "Launch", "Launches", "StripConfig",
+           "TritonConfig", "pallas_gpu_attention", "pallas_gpu_attention_parts",
+           "pallas_gpu_backend"]

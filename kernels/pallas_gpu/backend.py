@@ -1,12 +1,10 @@
 """The "pallas_gpu" backend: block-sparse LS-attention on NVIDIA GPUs, forward and backward.
 
-Every head of a layer is computed in one launch per pass (forward; dQ; dK/dV), each head with
-its own window, and every pass visits only the blocks that intersect the head's band
-(``kernels/band.py``). Files: ``plan.py`` (tile configuration, head classes, program
-schedules), ``forward.py`` and ``backward.py`` (the kernels), ``tiles.py`` (in-kernel pieces);
-this file holds the padding and the ``jax.custom_vjp`` wiring.
-
-Lowering: Pallas' Triton lowering (see docs/kernel-notes.md for why).
+Every pass (forward; backward) visits only the blocks that intersect each head's band
+(``kernels/band.py``) and runs the launches ``heuristics.py`` decides (``configs.Launches``):
+each computes some heads with one lowering, ``triton/`` (any CUDA GPU) or ``mosaic/`` (Hopper),
+the later ones writing into the buffers of the first. ``plan.py`` holds the static plan;
+this file the padding, the execution of the launches and the ``jax.custom_vjp`` wiring.
 """
 
 from __future__ import annotations
@@ -18,10 +16,49 @@ import jax.numpy as jnp
 import numpy as np
 
 from ls_jax.kernels.band import WindowSizes
-from ls_jax.kernels.pallas_gpu.backward import backward_call
-from ls_jax.kernels.pallas_gpu.forward import forward_call
-from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, KernelConfig, make_plan
+from ls_jax.kernels.pallas_gpu.configs import Launches
+from ls_jax.kernels.pallas_gpu.mosaic import backward as hopper_backward
+from ls_jax.kernels.pallas_gpu.mosaic import forward as hopper_forward
+from ls_jax.kernels.pallas_gpu.mosaic import strip
+from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, make_plan
+from ls_jax.kernels.pallas_gpu.triton import backward as triton_backward
+from ls_jax.kernels.pallas_gpu.triton import forward as triton_forward
 from ls_jax.kernels.reference import default_scale
+
+
+def forward_call(plan: AttentionPlan, q, k, v, segment_ids):
+    """(out [B, Tp, H, Dp], lse2 float32 [B, H, Tp] (log2 domain), max |logit| per row float32
+    [B, H, Tp] or None) on padded inputs, by the plan's forward launches in order."""
+    outs = ()
+    for launch in plan.launches.forward:
+        if launch.lowering == "hopper":
+            outs = hopper_forward.forward_call(plan, launch.config, launch.heads, q, k, v)
+        elif launch.lowering == "strip":
+            outs = strip.forward_call(plan, launch.config, launch.heads, q, k, v,
+                                      tuple(x for x in outs if x is not None))
+        else:
+            outs = triton_forward.forward_call(plan, launch.config, launch.heads, q, k, v,
+                                               segment_ids,
+                                               tuple(x for x in outs if x is not None))
+    return outs
+
+
+def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
+    """(dq, dk, dv) on padded inputs, by the plan's backward launches in order: each computes
+    dQ (and delta) for its heads, then dK/dV for their kv heads."""
+    dq = dkdv = None
+    for launch in plan.launches.backward:
+        if launch.lowering == "hopper":
+            dq, delta = hopper_backward.dq_call(plan, launch.config, launch.heads, q, k, v, do,
+                                                lse2, out=out)
+            dkdv = hopper_backward.dkdv_call(plan, launch.config, launch.heads, q, k, v, do,
+                                             lse2, delta)
+        else:
+            dq, delta = triton_backward.dq_call(plan, launch.config, launch.heads, q, k, v,
+                                                segment_ids, do, out, lse2, prefilled=dq)
+            dkdv = triton_backward.dkdv_call(plan, launch.config, launch.heads, q, k, v,
+                                             segment_ids, do, lse2, delta, prefilled=dkdv)
+    return (dq, *dkdv)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -45,7 +82,7 @@ def _padded_attention_bwd(plan: AttentionPlan, residuals, cotangents):
 _padded_attention.defvjp(_padded_attention_fwd, _padded_attention_bwd)
 
 
-def _prepare(q, k, v, window_sizes: WindowSizes, segment_ids, scale, config, logit_stats,
+def _prepare(q, k, v, window_sizes: WindowSizes, segment_ids, scale, launches, logit_stats,
              interpret):
     """The call's plan and the inputs padded to it (T to whole blocks, D to a matrix-unit
     size)."""
@@ -59,7 +96,8 @@ def _prepare(q, k, v, window_sizes: WindowSizes, segment_ids, scale, config, log
             "mode, or use implementation='reference'")
     plan = make_plan(seq_len=T, head_dim=D, windows=window_sizes, num_kv_heads=k.shape[2],
                      dtype=q.dtype, scale=default_scale(D) if scale is None else scale,
-                     config=config, logit_stats=logit_stats, interpret=interpret, batch=B)
+                     logit_stats=logit_stats, interpret=interpret, batch=B,
+                     has_segments=segment_ids is not None, launches=launches)
     Tp, Dp = plan.seq_len_padded, plan.head_dim_padded
     if Tp != T or Dp != D:
         pad = ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D))
@@ -72,15 +110,16 @@ def _prepare(q, k, v, window_sizes: WindowSizes, segment_ids, scale, config, log
 
 
 def pallas_gpu_attention(q, k, v, window_sizes: WindowSizes, *, segment_ids=None, scale=None,
-                         return_logit_stats=False, config: KernelConfig | None = None,
+                         return_logit_stats=False, launches: Launches | None = None,
                          interpret=False):
     """Differentiable LS-attention; returns (out [B,T,H,D], max_abs_logit [H] or None).
 
-    Inputs are as for ``kernels.ls_attention`` (already validated). ``config`` overrides the
-    tile sizes (tests use small ones); ``interpret`` runs the kernels in Pallas interpret mode.
+    Inputs are as for ``kernels.ls_attention`` (already validated). ``launches`` replaces
+    the heuristics' choice (tests and benchmarks); ``interpret`` runs the kernels in Pallas
+    interpret mode.
     """
     B, T, H, D = q.shape
-    plan, qp, kp, vp, seg = _prepare(q, k, v, window_sizes, segment_ids, scale, config,
+    plan, qp, kp, vp, seg = _prepare(q, k, v, window_sizes, segment_ids, scale, launches,
                                      return_logit_stats, interpret)
     out, stats = _padded_attention(plan, qp, kp, vp, seg)
     out = out[:, :T, :, :D]
@@ -90,14 +129,14 @@ def pallas_gpu_attention(q, k, v, window_sizes: WindowSizes, *, segment_ids=None
 
 
 def pallas_gpu_attention_parts(q, k, v, window_sizes: WindowSizes, *, segment_ids=None,
-                               scale=None, config: KernelConfig | None = None,
+                               scale=None, launches: Launches | None = None,
                                interpret=False):
     """Forward only: (out [B,T,H,D], lse float32 [B,H,T] natural log, max_abs_logit [H]).
 
     The same quantities as ``kernels.reference.reference_attention_parts``, for tests.
     """
     B, T, H, D = q.shape
-    plan, qp, kp, vp, seg = _prepare(q, k, v, window_sizes, segment_ids, scale, config, True,
+    plan, qp, kp, vp, seg = _prepare(q, k, v, window_sizes, segment_ids, scale, launches, True,
                                      interpret)
     out, lse2, stats = forward_call(plan, qp, kp, vp, seg)
     lse = lse2[:, :, :T] * float(np.log(2.0))
@@ -105,8 +144,8 @@ def pallas_gpu_attention_parts(q, k, v, window_sizes: WindowSizes, *, segment_id
 
 
 def pallas_gpu_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_stats,
-                       interpret, config: KernelConfig | None = None):
+                       interpret, launches: Launches | None = None):
     """The "pallas_gpu" backend (``kernels.api.get_backend``)."""
     return pallas_gpu_attention(q, k, v, window_sizes, segment_ids=segment_ids, scale=scale,
-                                return_logit_stats=return_logit_stats, config=config,
+                                return_logit_stats=return_logit_stats, launches=launches,
                                 interpret=interpret)

@@ -2,29 +2,24 @@
 
 The Triton forward gives every 64-row query block of a local head its own program, which
 fetches the 2-3 key/value blocks of its band from L2; at p=128 every key/value block is
-fetched by 3-4 query blocks, and that kernel runs bound by L2 bandwidth (84% in run N's
-profile, docs/kernel-notes.md). Here one program walks a *strip* of consecutive query blocks
+fetched by 3-4 query blocks, and that kernel runs bound by L2 bandwidth. Here one program walks a *strip* of consecutive query blocks
 of one head and batch element, and a producer warpgroup streams the strip's key/value blocks
 through a ring of shared-memory slots once each:
 
-* the consumers (three warpgroups, 160 registers each; two in an interpreter that cannot run
-  four threads) take the strip's query blocks in turn (consumer c: blocks c, c + C, ...),
+* the consumers (``StripConfig.consumers`` warpgroups, 160 registers each with three) take the strip's query blocks in turn (consumer c: blocks c, c + C, ...),
   loading their own query blocks with TMA, the next one ahead into a second slot;
 * a consumer waits for each streamed block once, in stream order (the lowering tracks a
   barrier's phase per thread, so no block may be skipped or waited twice), and releases it
   as soon as its next query block no longer needs it; the ring holds a consumer's band, the
   other consumers' blocks ahead of it and one prefetch: ``strip_stages`` slots;
 * outputs go out through a per-consumer shared-memory tile and TMA, as in
-  ``forward_mosaic.py``: out, lse2 (log2 domain) and, when asked, each row's max |logit|.
+  ``forward.py``: out, lse2 (log2 domain) and, when asked, each row's max |logit|.
 
-Run O (H100, 16 local heads, D=64, p=128, B=4): 0.117 against Triton's 0.131 ms at n=8192,
-0.427 against 0.486 at n=32768; at p=50 a tie (docs/kernel-notes.md, run O). Used for the
-local heads at D=64 (``KernelConfig.local_fwd_lowering``; by default from n=4096) where
-``strip_fits``; the global heads of a mix run first on ``forward_mosaic.py`` and this kernel
-writes the local heads' rows into the same buffers (refs under ``pl.run_state``: the custom
-call aliases them, no copy).
+Used for the local heads at D=64 where ``heuristics.forward_launches`` says so; the global
+heads of a mix run first on ``forward.py`` and this kernel writes the local heads' rows into
+the same buffers (refs under ``pl.run_state``: the custom call aliases them, no copy).
 
-Interpret mode (CPU tests) runs it in Pallas' GPU interpreter, as ``forward_mosaic.py``.
+Interpret mode (CPU tests) runs it in Pallas' GPU interpreter, as ``forward.py``.
 """
 
 from __future__ import annotations
@@ -38,58 +33,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import cdiv, kv_block_range
-from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, SMEM_BYTES, SMEM_SPARE,
-                                                   TILE_TRANSFORMS, interpreter_fits, launch,
-                                                   mma, produce_kv, program_ids, ring_slot,
-                                                   row_min, run_into,
-                                                   selected_heads, softmax_carry, softmax_step,
-                                                   store_rows, strip_bounds, strip_share,
-                                                   tile_allowed, walk_strip)
-from ls_jax.kernels.pallas_gpu.plan import STRIP_BLOCK, STRIP_HEAD_DIM
-from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, split_kv_loop
-
-STRIP_CONSUMERS = 3
-MAX_STRIP = 128  # query blocks per strip (longer strips were not measured)
-DEFAULT_SMS = 132  # an H100 SXM's SMs, when no GPU is there to ask (interpret mode)
+from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE, split_kv_loop
+from ls_jax.kernels.pallas_gpu.configs import STRIP_BLOCK, StripConfig
+from ls_jax.kernels.pallas_gpu.mosaic.ring import (REGISTERS, TILE_TRANSFORMS, launch, mma,
+                                                   produce_kv, program_ids, ring_slot, row_min,
+                                                   run_into, selected_heads, softmax_carry,
+                                                   softmax_step, store_rows, strip_bounds,
+                                                   strip_share, tile_allowed, walk_strip)
 
 
-def strip_stages(window: int, consumers: int = STRIP_CONSUMERS) -> int:
+def strip_stages(window: int, consumers: int) -> int:
     """Ring slots: a consumer's band (window / block + 1 blocks), one block more per other
     consumer (their query blocks run ahead by one each) and one prefetch."""
     return cdiv(window, STRIP_BLOCK) + 1 + consumers + 1
 
 
-def strip_smem_bytes(window: int, head_dim: int, itemsize: int,
-                     consumers: int = STRIP_CONSUMERS) -> int:
+def strip_smem_bytes(window: int, head_dim: int, itemsize: int, consumers: int) -> int:
     """Shared memory of one program: two query slots and an output tile per consumer, the
     key/value ring, and the consumers' lse and statistics rows."""
     tile = STRIP_BLOCK * head_dim * itemsize
     return (3 * consumers * tile + 2 * strip_stages(window, consumers) * tile
             + 2 * consumers * STRIP_BLOCK * 4)
-
-
-def strip_fits(head_dim: int, windows, itemsize: int = 2) -> bool:
-    """True when the strip kernel takes these local heads (effective windows): D = 64 and a
-    ring for the widest window that fits shared memory with ``SMEM_SPARE`` left (p <= 256).
-    The caller checks ``mosaic_ring.mosaic_fits`` (dtype, Hopper)."""
-    return (head_dim == STRIP_HEAD_DIM and len(windows) > 0
-            and strip_smem_bytes(max(windows), head_dim, itemsize) <= SMEM_BYTES - SMEM_SPARE)
-
-
-def strip_length(num_blocks: int, programs_per_strip_row: int, sms: int) -> int:
-    """Query blocks per strip: each (head, batch element) row cut into as many strips as
-    keeps the programs within one wave of the SMs (at least one strip a row), strips of at
-    most ``MAX_STRIP`` blocks. Long strips read each key/value block once; run O measured
-    16-128 blocks: at n=8192 with 64 rows, 2 strips of 64 beat 4 of 32; at n=32768, 4 of
-    128 beat 8 of 64."""
-    per_row = max(1, sms // max(programs_per_strip_row, 1))
-    return max(1, min(MAX_STRIP, cdiv(num_blocks, per_row)))
-
-
-def _sm_count() -> int:
-    device = jax.devices()[0]
-    return int(getattr(device, "core_count", 0) or DEFAULT_SMS) if device.platform == "gpu" \
-        else DEFAULT_SMS
 
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
@@ -175,9 +139,9 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
         end=stream_end, stages=stages, registers=producer_registers))
 
 
-def forward_call_strip(plan, q, k, v, heads: tuple[int, ...], prefilled=()):
-    """The strip forward of ``heads`` (local heads; ``strip_fits`` their windows) on padded
-    inputs (Tp a multiple of ``STRIP_BLOCK``): outputs as ``forward.forward_call``'s.
+def forward_call(plan, config: StripConfig, heads: tuple[int, ...], q, k, v, prefilled=()):
+    """The strip forward of ``heads`` (local heads; ``heuristics.strip_fits`` their windows) on
+    padded inputs (Tp a multiple of ``STRIP_BLOCK``): outputs as the Triton forward's.
 
     prefilled: () or the (out, lse2[, stat]) of an earlier launch (the global heads'), into
     which this one writes its heads' rows (other rows kept); without it the other heads' rows
@@ -187,14 +151,12 @@ def forward_call_strip(plan, q, k, v, heads: tuple[int, ...], prefilled=()):
     G = k.shape[2]
     with_stats = plan.logit_stats
     interpret = plan.interpret
-    consumers = STRIP_CONSUMERS
-    if interpret and not interpreter_fits(consumers):
-        consumers = 2  # the same results; four warpgroups would hang the interpreter here
+    consumers = config.consumers
     assert Tp % STRIP_BLOCK == 0, Tp
-    heads, windows = selected_heads(plan, H, heads)
+    heads, windows = selected_heads(plan, heads)
     stages = strip_stages(max(windows), consumers)
     num_blocks = Tp // STRIP_BLOCK
-    strip = plan.config.strip_blocks or strip_length(num_blocks, B * len(heads), _sm_count())
+    strip = config.strip_blocks
     num_strips = cdiv(num_blocks, strip)
     tile = plgpu.SMEM((consumers, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
     rows = plgpu.SMEM((consumers, STRIP_BLOCK), jnp.float32)

@@ -1,12 +1,11 @@
-"""Pieces the Mosaic GPU kernels share: when they apply, their launch, the producer's TMA ring,
-the consumers' band loops, and a tensor-core multiply-accumulate that also runs in Pallas' GPU
-interpreter.
+"""Pieces the Mosaic GPU kernels share: their launch, the producer's TMA ring, the consumers'
+band loops, and a tensor-core multiply-accumulate that also runs in Pallas' GPU interpreter.
 
-Every Mosaic kernel here has the same shape: two *consumer* warpgroups (three in the forward
-at D <= 64, ``KernelConfig.mosaic_consumers``) each own one block (of query rows in the
+Every Mosaic kernel here has the same shape: two or three *consumer* warpgroups (the
+config's ``consumers``) each own one block (of query rows in the
 forward and dQ, of key rows in dK/dV) and a *producer* warpgroup streams the other side's
-blocks (key/value blocks, or query/dO blocks) through a ring of ``stages`` shared-memory
-slots. The producer loads the union of the consumers' ranges; a
+blocks (key/value blocks, or query/dO blocks) through a ring of shared-memory slots
+(``STAGES``; the strips size their own). The producer loads the union of the consumers' ranges; a
 consumer steps through the blocks outside its own range without computing (``band_loops``'
 ``skip``), so each slot's barriers see every arrival and wait in order.
 
@@ -20,7 +19,6 @@ completed phase was observed).
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -30,17 +28,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import allowed
-from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, MAX_FLOOR
+from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE, MAX_FLOOR
 
-CONSUMERS = 2
+STAGES = 2  # slots of the Hopper forward's and backward's rings: one loading, one in use
 # registers per thread after ``plgpu.set_max_registers``, by number of consumers: the producer
 # gives up what the consumers take; (2 * 232 + 40) * 128 threads = 64512 of the SM's 65536,
-# and (3 * 160 + 24) * 128 = 64512 with three consumers (the forward, D <= 128). The
-# warpgroups share what the program was launched with (``launch_registers``): a budget above
-# it leaves the consumers' increase waiting for registers no one gives back (run N's hang:
-# four consumers at 120, 4 * 120 + 24 > 5 * 96; at 112 they ran, run O)
+# and (3 * 160 + 24) * 128 = 64512 with three consumers. The warpgroups share what the
+# program was launched with (``launch_registers``): a budget above it leaves the consumers'
+# increase waiting for registers no one gives back, and the program hangs.
 REGISTERS = {2: (232, 40), 3: (160, 24)}
-CONSUMER_REGISTERS, PRODUCER_REGISTERS = REGISTERS[CONSUMERS]
 WARPGROUP_THREADS = 128
 
 
@@ -51,34 +47,6 @@ def launch_registers(warpgroups: int) -> int:
     return 65536 // (WARPGROUP_THREADS * warpgroups) // 8 * 8
 
 
-# the lowering's constraints (why a call may not take this path: ``mosaic_fits``)
-MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
-MOSAIC_HEAD_DIM = 64  # head size must be a multiple of this (128-byte swizzled rows)
-# shared memory a Mosaic GPU program may take on an H100/H200 (``shared_memory_per_block_optin``;
-# the kernel's launch checks it), and what Mosaic GPU adds to our buffers (barriers,
-# alignment: 2,368-2,400 bytes in run O, O2-O3), rounded up: the kernels that size their
-# buffers by the case (``forward_strip.strip_fits``, ``backward_mosaic.delta_fits``) keep it
-SMEM_BYTES = 232448
-SMEM_SPARE = 4096
-
-
-def is_hopper() -> bool:
-    """True when JAX's first device is a Hopper GPU (compute capability 9.x): the kernel's
-    wgmma instructions exist only there."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")
-                                               ).startswith("9.")
-
-
-def mosaic_fits(dtype, head_dim: int, has_segments: bool, interpret: bool = False) -> bool:
-    """True when the Mosaic GPU kernels can run the call (else the Triton ones do):
-    bfloat16/float16, head size a multiple of 64, no segment ids, on a Hopper GPU (or in
-    interpret mode)."""
-    return (jnp.dtype(dtype) in tuple(map(jnp.dtype, MOSAIC_DTYPES))
-            and head_dim % MOSAIC_HEAD_DIM == 0 and not has_segments
-            and (interpret or is_hopper()))
-
-
 # shared-memory layout of every [rows, D] tile: 8x64 tiles, 128-byte swizzle (what wgmma and
 # TMA take for 16-bit data)
 TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -86,23 +54,14 @@ TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 F32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
-def selected_heads(plan, num_heads: int, heads):
-    """(heads, their effective windows) as static tuples: ``heads`` None means all."""
-    heads = tuple(range(num_heads)) if heads is None else tuple(heads)
-    return heads, tuple(plan.window_table()[h] for h in heads)
-
-
-def interpreter_fits(consumers: int) -> bool:
-    """Whether Pallas' GPU interpreter can run ``consumers + 1`` warpgroups at once here: it
-    runs each as an XLA CPU execution that blocks in host callbacks at barriers, and the CPU
-    client runs one more at once than it counts processors (``PJRT_NPROC``, default the
-    machine's; seen on 2 cores: three warpgroups ran, four hung)."""
-    processors = int(os.environ.get("PJRT_NPROC") or os.cpu_count() or 1)
-    return consumers <= processors  # consumers + producer <= processors + 1 at once
+def selected_heads(plan, heads: tuple[int, ...]):
+    """(heads, their effective windows) as static tuples."""
+    heads = tuple(heads)
+    return heads, tuple(plan.windows[h] for h in heads)
 
 
 def launch(body, out_type, *, num_heads: int, num_tiles: int, batch: int, interpret: bool,
-           consumers: int = CONSUMERS):
+           consumers: int):
     """``plgpu.kernel`` over the grid (head, tile, batch) with the ``consumers`` and the
     producer as warpgroups "wg" (in Pallas' GPU interpreter when ``interpret``)."""
     extra = {}
@@ -160,7 +119,7 @@ def produce(first, end, stages: int, load, wait_free):
 
 
 def produce_kv(k_ref, v_ref, k_smem, v_smem, loaded, free, *, b, kv_head, block_k, first,
-               end, stages: int, registers: int = PRODUCER_REGISTERS):
+               end, stages: int, registers: int):
     """The producer of the forward and dQ kernels: key and value blocks [first, end) of
     batch ``b``, kv head ``kv_head`` into the ring. loaded, free: (k, v) barrier arrays."""
     plgpu.set_max_registers(registers, action="decrease")
@@ -246,7 +205,7 @@ def program_ids(heads: tuple[int, ...], windows: tuple[int, ...]):
 
 
 def tile_union(block_range, tile, block_q: int, block_k: int, window, seq_len: int,
-               consumers: int = CONSUMERS, num_blocks: int | None = None):
+               consumers: int, num_blocks: int | None = None):
     """[first, end): the streamed blocks the consumers of ``tile`` (its blocks
     ``consumers * tile`` to ``consumers * tile + consumers - 1``, the last tile cut at
     ``num_blocks`` owned blocks when given) need together; ``block_range`` is

@@ -1,8 +1,8 @@
 """Backward kernels for Hopper in Pallas' Mosaic GPU lowering: dQ, and dK/dV per kv head.
 
-The same math as ``backward.py`` (``p = exp2(s * c - lse2)``, ``ds = p * (dp - delta)``,
+The same math as the Triton backward (``p = exp2(s * c - lse2)``, ``ds = p * (dp - delta)``,
 ``dQ = scale * ds . K``, ``dK = scale * ds^T . Q``, ``dV = p^T . dO``), laid out like the
-Hopper forward (``mosaic_ring.py``): two consumer warpgroups each own one block, a producer
+Hopper forward (``ring.py``): two consumer warpgroups each own one block, a producer
 warpgroup streams the other side's blocks of the band through a TMA ring.
 
 * dQ (grid head x query tile x batch): a consumer owns ``block_q`` query rows (Q, dO, lse2,
@@ -12,27 +12,19 @@ warpgroup streams the other side's blocks of the band through a TMA ring.
   delta, for each query head of the kv head's GQA group in turn (one stream through the
   ring; the group's sum stays in the accumulators).
 
-Inside a step the products overlap the element-wise work (run M, docs/kernel-notes.md): dQ
+Inside a step the products overlap the element-wise work: dQ
 issues S = Q K^T and dP = dO V^T together and computes the probabilities while dP runs; dK/dV
 issues S^T and dP^T together, then dV (the probabilities as its register operand) before it
 reads dP^T, so the exponentials run under dP^T and dS^T under dV, and dK last. Pallas' GPU
 interpreter takes neither a register operand in ``wgmma`` nor ``pl.run_state`` on an
 accumulator, so in interpret mode (CPU tests) the same math runs one product at a time
-(``mosaic_ring.mma``); ``tests/test_pallas_gpu.py`` also lowers the GPU path on the CPU.
+(``ring.mma``); the tests also lower the GPU path on the CPU.
 
-With ``KernelConfig.mosaic_fused_dq`` the dK/dV kernel also computes dQ (FA3's way): each
-step stores dS^T to shared memory while dK runs, ``dS . K`` reads it there (wgmma with a
-transposed A), and the tile goes out through shared memory as a TMA reduction (add) into a
-float32 accumulator, so dQ's additions land in no fixed order (not bit-reproducible). Five
-products per tile instead of the two kernels' seven: 1.03-1.09x the f+b with every head
-global at D=64 on an H100, 1.02x in long LS mixes, half as fast at D=128 (spills), run P; off
-by default.
-
-``delta = rowsum(O * dO)``: by default the dQ kernel computes it from O and dO tiles it loads
-anyway (dO) or once per block (O) and writes it out for the dK/dV kernel, which runs after it;
-else (``KernelConfig.delta_in_kernel`` off, and for the fused dQ) it comes from the caller, one
-XLA pass over O and dO. ``heads`` restricts a call to some query heads (the others' rows are
-left unwritten, for the Triton kernels to fill).
+``delta = rowsum(O * dO)``: the dQ kernel computes it from O and dO tiles it loads anyway
+(dO) or once per block (O) and writes it out for the dK/dV kernel, which runs after it, where
+O's tile fits shared memory (``HopperBackwardConfig.dq_delta``); else it comes from the
+caller, one XLA pass over O and dO. ``heads`` restricts a call to some query heads (the
+others' rows are left unwritten, for a later launch to fill).
 """
 
 from __future__ import annotations
@@ -46,23 +38,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import allowed, kv_block_range, q_block_range
-from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, F32_TRANSFORMS, SMEM_BYTES,
-                                                   SMEM_SPARE, TILE_TRANSFORMS,
-                                                   band_loops, consumer_block,
-                                                   interpreter_fits, launch, mma, pick,
-                                                   produce, produce_kv, program_ids, ring_slot,
-                                                   run_into, selected_heads, tile_allowed,
+from ls_jax.kernels.heads import merge_heads, take_heads
+from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE, split_kv_loop, split_q_loop
+from ls_jax.kernels.pallas_gpu.configs import HopperBackwardConfig
+from ls_jax.kernels.pallas_gpu.mosaic.ring import (REGISTERS, STAGES, TILE_TRANSFORMS,
+                                                   band_loops, consumer_block, launch, mma,
+                                                   pick, produce, produce_kv, program_ids,
+                                                   ring_slot, selected_heads, tile_allowed,
                                                    tile_iota, tile_union, zero_tile)
-from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, split_kv_loop, split_q_loop
-
-FUSED_BLOCK_Q = 64  # the fused kernel's streamed query blocks, whatever mosaic_bwd_block_q
-
-
-def dq_slots(head_dim: int) -> int:
-    """Shared-memory tiles per consumer for the fused dQ's outgoing reductions: two at D <= 64
-    (a reduction may still be reading one while the next block's dQ goes into the other),
-    one at D=128 (two would not fit beside the blocks)."""
-    return 2 if head_dim <= 64 else 1
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, rows_ref, dq_ref, delta_out_ref, scoped,
@@ -180,23 +163,20 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, rows_ref, dq_ref, delta_out
         end=union_end, stages=stages, registers=producer_registers))
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref,
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
                  scoped, *, heads, windows, group, block_q, block_k, stages, num_tiles,
                  seq_len, score_scale, scale, interpret, consumers, group_sum):
-    """dK/dV; with ``dq_ref`` (float32) also dQ: each step's ``ds . K`` added into it.
-
-    Per query head (grid axis "heads" over ``heads``), or with ``group_sum`` per kv head
+    """dK/dV per query head (grid axis "heads" over ``heads``), or with ``group_sum`` per kv head
     (``heads`` every query head): a program then walks the query blocks of each of its
     group's query heads in turn, one stream through the ring, and sums their dK and dV in
     its accumulators."""
     smem, loaded, freed = scoped
-    k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, ds_smem2, dq_smem2 = smem
+    k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem = smem
     own_loaded, q_loaded, do_loaded, lse_loaded, delta_loaded = loaded
     (free,) = freed
-    slot_h = lax.axis_index("heads")  # h's index in ``heads`` (dq_ref has only those)
     if group_sum:
         b, wg = lax.axis_index("batch"), lax.axis_index("wg")
-        kv_head = out_head = slot_h
+        kv_head = out_head = lax.axis_index("heads")
         members = group
     else:
         b, h, window, wg = program_ids(heads, windows)
@@ -233,9 +213,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         k_first = k_block * block_k
         cols = pl.ds(k_first, block_k)
         k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
-        fused = dq_ref is not None
-        if fused:
-            ds_smem, dq_smem = ds_smem2.at[wg], dq_smem2.at[wg]
         plgpu.copy_gmem_to_smem(k_ref.at[b, cols, kv_head], k_smem, own_loaded.at[2 * wg])
         plgpu.copy_gmem_to_smem(v_ref.at[b, cols, kv_head], v_smem, own_loaded.at[2 * wg + 1])
         plgpu.barrier_wait(own_loaded.at[2 * wg])
@@ -277,26 +254,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                                     - lax.broadcast_in_dim(delta_Q, dpT_KxQ.shape, [1]))
                 return dsT_KxQ.astype(dtype)
 
-            def add_dq(i, dq_QxD):
-                """This key block's share of query block i's dQ (unscaled) out to
-                ``dq_ref`` through one of ``dq_slots`` shared-memory tiles: a TMA reduction
-                (add) into the float32 accumulator; in interpret mode (no TMA reductions
-                there) a plain store into the key block's own slice of it. A consumer's
-                blocks are consecutive, so the slots go round with i."""
-                slots = dq_smem.shape[0]
-                out_smem = dq_smem.at[lax.rem(i, jnp.int32(slots))]
-                # the copy that last used this slot has read it (the later ones may still
-                # run)
-                plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-                out_smem[...] = dq_QxD
-                plgpu.commit_smem()
-                rows = pl.ds(i * block_q, block_q)
-                if interpret:
-                    plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[b, k_block, rows, slot_h])
-                else:
-                    plgpu.copy_smem_to_gmem(out_smem, dq_ref.at[b, rows, slot_h],
-                                            reduction_op="add")
-
             def step(i, grads, masked: bool):
                 slot = slot_of(i)
                 q_block, do_block = q_smem.at[slot], do_smem.at[slot]
@@ -316,17 +273,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                     dk_KxD = mma(dk_KxD, dsT_KxQ, q_block, transpose_b=False,
                                  interpret=True)
                     grads = dk_KxD, dv_KxD
-                    if fused:
-                        ds_smem[...] = dsT_KxQ
-                        plgpu.commit_smem()
-                        grads += (mma(None, ds_smem[...].T, k_smem, transpose_b=False,
-                                      interpret=True),)
                 else:  # S^T and dP^T issued together, dV before dP^T is read, dK last:
-                    # the exponentials run under dP^T's wgmma and dS^T under dV's; fused,
-                    # dS^T goes to shared memory while dK runs, and dQ = dS . K reads it
-                    # from there
+                    # the exponentials run under dP^T's wgmma and dS^T under dV's
                     def accumulate(refs):
-                        dk_ref, dv_ref = refs[:2]
+                        dk_ref, dv_ref = refs
 
                         def products(sT_ref, dpT_ref):
                             plgpu.wgmma(sT_ref, k_smem, q_block.transpose((1, 0)))
@@ -337,21 +287,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                             dpT_KxQ = plgpu.wgmma_accumulator_load(dpT_ref, wait_n=1)
                             dsT_KxQ = score_grads(pT_KxQ, dpT_KxQ, slot)
                             plgpu.wgmma(dk_ref, dsT_KxQ, q_block)
-                            if fused:
-                                ds_smem[...] = dsT_KxQ
-                                plgpu.commit_smem()
 
                         scores = plgpu.ACC((block_k, block_q), jnp.float32)
                         pl.run_scoped(products, scores, scores)
-                        if fused:
-                            plgpu.wgmma(refs[2], ds_smem.transpose((1, 0)), k_smem)
 
-                    inits = grads + ((zero_tile(block_q, head_dim),) if fused else ())
-                    grads = pl.run_state(accumulate)(tuple(map(plgpu.ACC.init, inits)))
+                    grads = pl.run_state(accumulate)(tuple(map(plgpu.ACC.init, grads)))
                 plgpu.barrier_arrive(free.at[slot])
-                if fused:
-                    add_dq(i, grads[2])
-                    grads = grads[:2]
                 return grads
 
             grads = band_loops(union_first, union_end, ranges, skip, step, grads)
@@ -410,50 +351,36 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         lax.fori_loop(total, total + stages, drain, None)
 
 
-def _static(plan, q, k, heads, fused_dq: bool = False):
+def _static(plan, config: HopperBackwardConfig, heads: tuple[int, ...], q, k):
+    heads, windows = selected_heads(plan, heads)
+    return dict(
+        heads=heads, windows=windows, group=q.shape[2] // k.shape[2], block_q=config.block_q,
+        block_k=config.block_k, stages=STAGES, seq_len=q.shape[1],
+        score_scale=plan.scale * LOG2_E, scale=plan.scale, interpret=plan.interpret,
+        consumers=config.consumers)
+
+
+def dq_smem_bytes(config: HopperBackwardConfig, head_dim: int, itemsize: int) -> int:
+    """Shared memory of one dQ program: Q, dO (and O, for delta) tiles per consumer, the
+    key/value ring, and the consumers' lse and delta rows."""
+    tiles = (3 if config.dq_delta else 2) * config.consumers * config.block_q
+    tiles += 2 * STAGES * config.dq_block_k
+    return tiles * head_dim * itemsize + 2 * config.consumers * config.block_q * 4
+
+
+def dq_call(plan, config: HopperBackwardConfig, heads: tuple[int, ...], q, k, v, do, lse2, *,
+            out):
+    """(dq [B, Tp, H, Dp] in q's dtype, delta float32 [B, H, Tp]) for the query ``heads`` on
+    padded inputs. With ``config.dq_delta`` the kernel computes ``delta = rowsum(out * do)``
+    from its own O and dO tiles (no separate pass over them; rows of ``heads`` only, the
+    others unwritten); else one XLA pass does, before the kernel."""
     B, Tp, H, Dp = q.shape
-    heads, windows = selected_heads(plan, H, heads)
-    cfg = plan.config
-    consumers = cfg.mosaic_bwd_consumers
-    if fused_dq or (plan.interpret and not interpreter_fits(consumers)):
-        # the fused dQ: a redone last block would add its dQ twice; the interpreter: four
-        # warpgroups may hang it on few processors (the same results with two)
-        consumers = 2
-    return heads, dict(
-        heads=heads, windows=windows,
-        group=H // k.shape[2], block_q=cfg.mosaic_bwd_block_q, block_k=cfg.mosaic_bwd_block_k,
-        stages=cfg.mosaic_stages, seq_len=Tp, score_scale=plan.scale * LOG2_E,
-        scale=plan.scale, interpret=plan.interpret, consumers=consumers)
-
-
-def delta_fits(plan, dtype) -> bool:
-    """Whether the dQ kernel has the shared memory to load O and compute delta itself: a third
-    [block_q, D] tile per consumer beside Q, dO and the key/value ring (and the consumers' lse
-    and delta rows), with ``SMEM_SPARE`` left. Not with 128-key blocks at D=128 (every head
-    global, ``mosaic_dq_block_k``: 1,152 bytes over the limit itself)."""
-    cfg = plan.config
-    block_k = cfg.mosaic_dq_block_k or cfg.mosaic_bwd_block_k
-    consumers, block_q = cfg.mosaic_bwd_consumers, cfg.mosaic_bwd_block_q
-    tiles = 3 * consumers * block_q + 2 * cfg.mosaic_stages * block_k  # Q, dO, O; K, V ring
-    row_bytes = 2 * consumers * block_q * 4  # float32 lse and delta
-    return (tiles * plan.head_dim_padded * jnp.dtype(dtype).itemsize + row_bytes
-            <= SMEM_BYTES - SMEM_SPARE)
-
-
-def dq_call_mosaic(plan, q, k, v, do, lse2, delta=None, heads=None, *, out=None):
-    """(dq [B, Tp, H, Dp] in q's dtype, delta float32 [B, H, Tp]) for ``heads`` (default all)
-    on padded inputs. With ``delta`` None the kernel computes ``delta = rowsum(out * do)``
-    from its own O and dO tiles (no separate pass over them) and returns it (rows of
-    ``heads`` only, the others unwritten); a given ``delta`` is used and returned as is."""
-    B, Tp, H, Dp = q.shape
-    heads, static = _static(plan, q, k, heads)
-    static["block_k"] = plan.config.mosaic_dq_block_k or static["block_k"]
+    static = _static(plan, config, heads, q, k)
+    static["block_k"] = config.dq_block_k
     bq, bk, stages = static["block_q"], static["block_k"], static["stages"]
     consumers = static["consumers"]
     num_tiles = pl.cdiv(Tp, consumers * bq)
-    in_kernel = delta is None
-    if in_kernel and out is None:
-        raise ValueError("dq_call_mosaic: expected out (to compute delta) when delta is None")
+    in_kernel = config.dq_delta
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, rows_ref, dq_ref, delta_out_ref=None):
         rows = plgpu.SMEM((consumers, bq), jnp.float32)
@@ -472,86 +399,61 @@ def dq_call_mosaic(plan, q, k, v, do, lse2, delta=None, heads=None, *, out=None)
 
     dq_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
     out_type = [dq_type, jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)] if in_kernel else dq_type
-    run = launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
-                 interpret=plan.interpret, consumers=consumers)
+    run = launch(entry, out_type, num_heads=len(static["heads"]), num_tiles=num_tiles,
+                 batch=B, interpret=plan.interpret, consumers=consumers)
     if in_kernel:
         return tuple(run(q, k, v, do, lse2, out))
+    delta = row_delta(out, do, heads)
     return run(q, k, v, do, lse2, delta), delta
 
 
-def dkdv_call_mosaic(plan, q, k, v, do, lse2, delta, heads=None, *, fused_dq: bool = False,
-                     sum_groups: bool = True):
-    """(dk, dv), each [B, Tp, G, Dp] in k's dtype, per kv head, for ``heads`` (default all;
-    a subset only with one kv head per query head) on padded inputs.
+def row_delta(out, do, heads: tuple[int, ...]):
+    """float32 [B, H, Tp]: ``delta = rowsum(O * dO)`` for the rows of ``heads`` (the others
+    zero), one XLA reduction reading only their O and dO."""
+    def rowsum(o, d):
+        return jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), d.astype(jnp.float32))
 
-    With GQA each program sums its kv head's group in its accumulators (one stream over the
-    group's query heads); with ``sum_groups`` off, and with the fused dQ, it computes one
-    query head and XLA sums each group after the kernel (run U's way, for comparisons).
+    B, Tp, H, _ = out.shape
+    if tuple(heads) == tuple(range(H)):
+        return rowsum(out, do)
+    others = [h for h in range(H) if h not in heads]
+    part = rowsum(take_heads(out, heads), take_heads(do, heads))
+    return merge_heads([part, jnp.zeros((B, len(others), Tp), jnp.float32)],
+                       [list(heads), others], axis=1)
 
-    fused_dq: also dQ, in the same pass (``ds . K`` of every tile added into a float32
-    accumulator by TMA reductions, FA3's way: five products per tile instead of the two
-    kernels' seven; the order of the additions varies from run to run, so dQ is not
-    bit-reproducible): returns (dk, dv, dq), dq [B, Tp, len(heads), Dp] in q's dtype."""
+
+def dkdv_call(plan, config: HopperBackwardConfig, heads: tuple[int, ...], q, k, v, do, lse2,
+              delta):
+    """(dk, dv), each [B, Tp, G, Dp] in k's dtype, for the kv heads of the query ``heads`` on
+    padded inputs: with GQA every head (each program sums its kv head's group in its
+    accumulators, one stream over the group's query heads), else any subset."""
     B, Tp, H, Dp = q.shape
     G = k.shape[2]
-    if heads is not None and G < H:
-        raise ValueError(f"dkdv_call_mosaic: heads={heads} needs one kv head per query head, "
-                         f"got {G} kv heads for {H}")
-    heads, static = _static(plan, q, k, heads, fused_dq)
-    group_sum = G < H and sum_groups and not fused_dq
+    if G < H and tuple(heads) != tuple(range(H)):
+        raise ValueError(f"dkdv_call: heads={heads} needs one kv head per query head, got "
+                         f"{G} kv heads for {H}")
+    static = _static(plan, config, heads, q, k)
+    group_sum = G < H
     static["group_sum"] = group_sum
-    if fused_dq:  # 64-row query blocks: with 128 the consumers spill (run P: twice as slow)
-        static["block_q"] = FUSED_BLOCK_Q
     bq, bk, stages = static["block_q"], static["block_k"], static["stages"]
     consumers = static["consumers"]
     num_tiles = pl.cdiv(Tp, consumers * bk)
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dq_ref=None):
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref):
         own = plgpu.SMEM((consumers, bk, Dp), k.dtype, transforms=TILE_TRANSFORMS)
         ring = plgpu.SMEM((stages, bq, Dp), q.dtype, transforms=TILE_TRANSFORMS)
         rows = plgpu.SMEM((stages, bq), jnp.float32)
-        fused = [None, None]
-        if dq_ref is not None:  # dS^T tiles (wgmma's A, read transposed), dQ tiles out
-            fused = [plgpu.SMEM((consumers, bk, bq), q.dtype, transforms=TILE_TRANSFORMS),
-                     plgpu.SMEM((consumers, dq_slots(Dp), bq, Dp), jnp.float32,
-                                transforms=F32_TRANSFORMS)]
         pl.run_scoped(
             lambda *scoped: _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                                         dk_ref, dv_ref, dq_ref, scoped, num_tiles=num_tiles,
+                                         dk_ref, dv_ref, scoped, num_tiles=num_tiles,
                                          **static),
-            [own, own, ring, ring, rows, rows, *fused],
+            [own, own, ring, ring, rows, rows],
             (plgpu.Barrier(num_barriers=2 * consumers),) + (
                 plgpu.Barrier(num_barriers=stages),) * 4,
             (plgpu.Barrier(num_arrivals=consumers, num_barriers=stages),),
             collective_axes="wg")
 
-    def run(out_type):
-        return launch(entry, out_type, num_heads=G if group_sum else len(heads),
-                      num_tiles=num_tiles, batch=B, interpret=plan.interpret,
-                      consumers=consumers)
-
-    def kv_heads(dk, dv):  # each group's query heads summed (after a per-query-head kernel)
-        if G == H:
-            return dk, dv
-        return tuple(x.reshape(B, Tp, G, H // G, Dp).astype(jnp.float32).sum(axis=3)
-                     .astype(k.dtype) for x in (dk, dv))
-
-    if group_sum:
-        shape = jax.ShapeDtypeStruct((B, Tp, G, Dp), k.dtype)
-        return tuple(run([shape, shape])(q, k, v, do, lse2, delta))
-    shape = jax.ShapeDtypeStruct((B, Tp, H, Dp), k.dtype)
-    if not fused_dq:
-        return kv_heads(*run([shape, shape])(q, k, v, do, lse2, delta))
-    # the kernel writes into its buffers (``run_into``: aliased, not copied): dk and dv
-    # uninitialised (``lax.empty``: no memset on a GPU; the kernel writes every row of its
-    # heads), the accumulator zeros that it adds into; in interpret mode each key block has
-    # its own slice of it, summed here
-    acc_shape = (B, Tp, len(heads), Dp)
-    if plan.interpret:
-        acc_shape = (B, Tp // bk) + acc_shape[1:]
-    dk, dv, acc = run_into(run(()), (q, k, v, do, lse2, delta),
-                           (lax.empty(shape.shape, k.dtype), lax.empty(shape.shape, k.dtype),
-                            jnp.zeros(acc_shape, jnp.float32)))
-    if plan.interpret:
-        acc = acc.sum(axis=1)
-    return *kv_heads(dk, dv), (acc * plan.scale).astype(q.dtype)
+    shape = jax.ShapeDtypeStruct((B, Tp, G, Dp), k.dtype)
+    return tuple(launch(entry, [shape, shape], num_heads=G if group_sum else len(heads),
+                        num_tiles=num_tiles, batch=B, interpret=plan.interpret,
+                        consumers=consumers)(q, k, v, do, lse2, delta))

@@ -1,12 +1,10 @@
-"""Forward Pallas GPU kernel: flash attention over each head's band, all heads in one launch.
+"""Forward Triton kernel: flash attention over each head's band, the launch's heads at once.
 
 A program's key/value loop visits only the key blocks that intersect its head's band
-(``kernels.pallas_gpu.tiles.split_kv_loop``, from the ranges of ``kernels.band``): boundary
-tiles get an element mask, interior tiles none, and blocks outside the band are never loaded.
-Per-head data comes from a small int32 table ``head [2, H]``: row 0 the effective window, row
-1 the head's class (wide or narrow). Each class present is a static ``TilePath`` compiled into
-the same kernel behind a run-time branch, so wide heads can use other tiles than narrow ones,
-all in one launch. The order of programs comes from the plan's schedule (longest first).
+(``common.split_kv_loop``, from the ranges of ``kernels.band``): boundary tiles get an element
+mask, interior tiles none, and blocks outside the band are never loaded. Each head's effective
+window comes from a small int32 table; the order of programs from ``plan.program_order``
+(longest first).
 
 Inputs are padded by the caller to a whole number of blocks (sequence) and to a head size the
 matrix units take; the kernel itself never masks loads.
@@ -21,13 +19,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ls_jax.kernels.pallas_gpu.forward_mosaic import forward_call_mosaic
-from ls_jax.kernels.pallas_gpu.forward_strip import forward_call_strip, strip_fits
-from ls_jax.kernels.pallas_gpu.mosaic_ring import mosaic_fits
-from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, ClassPaths, TilePath
-from ls_jax.kernels.pallas_gpu.tiles import (LOG2_E, MASKED_SCORE, MAX_FLOOR, allowed_QxK,
-                                             mask_scores, run_band_loop, run_by_class,
-                                             split_kv_loop)
+from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE, MAX_FLOOR, split_kv_loop
+from ls_jax.kernels.pallas_gpu.configs import TritonConfig
+from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, program_order
+from ls_jax.kernels.pallas_gpu.triton.tiles import (TilePath, allowed_QxK, compiler_params,
+                                                    mask_scores, run_band_loop)
 
 
 class _ForwardProgram:
@@ -98,95 +94,72 @@ class _ForwardProgram:
 
         first, lo, hi, end = split_kv_loop(q_block, bq, bk, self.window, self.seq_len)
         state = run_band_loop(first, lo, hi, end, tile, self.init_state(bq, q_QxD.shape[-1]),
-                              "masked" if self.has_segments else path.loop_mode)
+                              path.loop_mode)
         self.write(q_first, bq, state)
 
 
-def _forward_kernel(schedule_ref, head_ref, q_ref, k_ref, v_ref, *refs, paths: ClassPaths,
+def _forward_kernel(schedule_ref, window_ref, q_ref, k_ref, v_ref, *refs, path: TilePath,
                     num_slots: int, group: int, seq_len: int, score_scale: float,
                     scale: float, has_segments: bool, with_stats: bool, num_prefilled: int):
     segment_ref = None
     if has_segments:
         segment_ref, *refs = refs
-    refs = refs[num_prefilled:]  # outputs of the Mosaic forward, aliased to ours (unread)
+    refs = refs[num_prefilled:]  # outputs of an earlier launch, aliased to ours (unread)
     out_ref, lse_ref, *refs = refs
     stat_ref = refs[0] if with_stats else None
 
     b = pl.program_id(0)
     item = schedule_ref[pl.program_id(1)]
-    h = jax.lax.div(item, num_slots)
-    slot = jax.lax.rem(item, num_slots)
-    head_class = head_ref[1, h]
+    h = jax.lax.div(item, jnp.int32(num_slots))
     program = _ForwardProgram(
         (q_ref, k_ref, v_ref, segment_ref, out_ref, lse_ref, stat_ref), b=b, h=h,
-        kv_head=jax.lax.div(h, group), window=head_ref[0, h], seq_len=seq_len,
+        kv_head=jax.lax.div(h, jnp.int32(group)), window=window_ref[h], seq_len=seq_len,
         score_scale=score_scale, scale=scale, has_segments=has_segments,
         with_stats=with_stats)
-    run_by_class(head_class, paths, lambda path: program.one_block(path, slot))
+    program.one_block(path, jax.lax.rem(item, jnp.int32(num_slots)))
 
 
-def forward_call(plan: AttentionPlan, q, k, v, segment_ids):
-    """Runs the forward kernel on padded inputs.
+def forward_call(plan: AttentionPlan, config: TritonConfig, heads: tuple[int, ...], q, k, v,
+                 segment_ids, prefilled=()):
+    """Runs the forward kernel over the query ``heads`` on padded inputs.
 
     Args:
-      plan: the call's ``AttentionPlan``; its forward ``ProgramPlan`` gives the program order
-        (item = head * num_slots + q_block, in the block size of the head's class) and the
-        class of each head.
       q: [B, Tp, H, Dp]; k, v: [B, Tp, G, Dp]; Tp a multiple of every block.
       segment_ids: None or int32 [B, Tp].
+      prefilled: () or the (out, lse2[, stat]) of an earlier launch, into which this one
+        writes its heads' rows (aliased, not copied); without it the other heads' rows are
+        left unwritten.
 
     Returns:
       out [B, Tp, H, Dp] in q.dtype, lse2 float32 [B, H, Tp] (log2 domain: natural lse
-      times log2(e)), and with ``plan.logit_stats`` float32 [B, H, Tp] max |logit| of each row.
-
-    With ``config.fwd_lowering`` "mosaic", calls that fit it (``mosaic_ring.mosaic_fits``)
-    run the Hopper kernel of ``forward_mosaic.py`` instead (same outputs); with "mixed" only
-    their global heads do (a first launch) and this kernel computes the local heads into the
-    same buffers (a second launch, outputs aliased to the first's). With
-    ``config.local_fwd_lowering`` "strip", local heads this kernel would run go to
-    ``forward_strip.py`` instead where it fits (the same outputs, the same aliasing).
+      times log2(e)), and with ``plan.logit_stats`` float32 [B, H, Tp] max |logit| of each row
+      (else None).
     """
     B, Tp, H, Dp = q.shape
-    prefilled, heads = (), None  # heads: the ones this kernel computes (None: all)
-    lowering = plan.config.fwd_lowering
-    hopper = mosaic_fits(q.dtype, Dp, segment_ids is not None, plan.interpret)
-    wide = plan.global_heads()
-    if lowering != "triton" and hopper:
-        if lowering == "mosaic" or len(wide) == H:
-            return forward_call_mosaic(plan, q, k, v)
-        if wide:  # "mixed": the global heads on the Hopper kernel, the local ones below
-            prefilled = tuple(x for x in forward_call_mosaic(plan, q, k, v, heads=wide)
-                              if x is not None)
-            heads = plan.local_heads()
-    if plan.config.local_fwd_lowering == "strip" and hopper and (heads or not wide):
-        local = plan.local_heads()  # every head left is local: strips, into the same buffers
-        if strip_fits(Dp, [plan.window_table()[h] for h in local]):
-            return forward_call_strip(plan, q, k, v, local, prefilled)
     G = k.shape[2]
-    programs = plan.query_plan("fwd")
-    c = plan.config
-    # per-head table: row 0 the effective window, row 1 the head's class
-    head_table = jnp.stack([jnp.asarray(plan.window_table(), jnp.int32),
-                            jnp.asarray(programs.head_class)])
-    schedule = jnp.asarray(programs.schedule_of(heads))
+    schedule = jnp.asarray(program_order(tuple((w,) for w in plan.windows), heads, Tp,
+                                         config.block_q, config.block_k, False))
+    has_segments = segment_ids is not None
+    path = TilePath(config.block_q, config.block_k,
+                    "masked" if has_segments else "split" if config.split_loop else "cond")
     kernel = functools.partial(
-        _forward_kernel, paths=programs.paths, num_slots=programs.num_slots, group=H // G,
+        _forward_kernel, path=path, num_slots=Tp // config.block_q, group=H // G,
         seq_len=Tp, score_scale=plan.scale * LOG2_E, scale=plan.scale,
-        has_segments=segment_ids is not None, with_stats=plan.logit_stats,
+        has_segments=has_segments, with_stats=plan.logit_stats,
         num_prefilled=len(prefilled))
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)]
     if plan.logit_stats:
         out_shape.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
-    inputs = [schedule, head_table, q, k, v] + ([] if segment_ids is None else [segment_ids])
+    inputs = [schedule, jnp.asarray(plan.windows, jnp.int32), q, k, v]
+    inputs += [] if segment_ids is None else [segment_ids]
     aliases = {len(inputs) + i: i for i in range(len(prefilled))}
     inputs += list(prefilled)
     outs = pl.pallas_call(
         kernel,
         grid=(B, schedule.shape[0]),
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=c.fwd_num_warps,
-                                             num_stages=c.fwd_num_stages),
+        compiler_params=compiler_params(config),
         interpret=plan.interpret,
         input_output_aliases=aliases,
         name="ls_attention_fwd",

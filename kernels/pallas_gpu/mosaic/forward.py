@@ -1,11 +1,11 @@
 """Forward kernel for Hopper, written for Pallas' Mosaic GPU lowering: warp-specialised, TMA-fed.
 
-The same computation as ``kernels/pallas_gpu/forward.py`` (flash attention over each head's
+The same computation as the Triton forward (``triton/forward.py``) (flash attention over each head's
 band, base-2 online softmax, optional logit statistics), for the cases where Hopper's
 asynchronous units pay: bfloat16/float16, head size a multiple of 64, no segment ids.
 
 Structure of one program (grid: head x query tile x batch; ``C + 1`` warpgroups, C the
-config's ``mosaic_consumers``, 2 or 3):
+``HopperForwardConfig.consumers``, 2 or 3):
 
 * warpgroup C (the *producer*, 40 or 24 registers) streams the key/value blocks of the tile's
   band into a ring of ``stages`` shared-memory slots with TMA, each slot guarded by a
@@ -14,10 +14,8 @@ config's ``mosaic_consumers``, 2 or 3):
   tile is ``C * block_q`` rows) and run the online softmax with asynchronous ``wgmma``.
   Two consumers (232 registers each) take turns on the tensor cores through a shared
   two-arrival barrier (one computes QK^T or PV while the other does its softmax); three
-  (160 registers each, the default when the global heads give enough tiles, as in
-  FlashAttention-3's 192-row tiles for head size 64) run free: a third warp per scheduler
-  hides more of the softmax's latency (run L at D=64; at D=128 too, although there its
-  tiles spill 28 bytes with the statistics: run Q, docs/kernel-notes.md). When the query
+  (160 registers each, where the launch has programs enough: ``heuristics.hopper_forward``)
+  run free: a third warp per scheduler hides more of the softmax's latency. When the query
   blocks do not fill the last tile, its extra consumers redo the last block and store the
   same rows.
 
@@ -26,15 +24,15 @@ ranges (``kernels.band.kv_block_range``), and a consumer steps through the block
 own range without computing (it still waits on and releases each slot, and keeps its turn in
 the ping-pong) so every barrier stays in phase. Inside its range a consumer runs a masked loop
 at the window edge, an unmasked loop over the blocks fully inside the band and a masked loop
-on the diagonal (the ranges of the Triton kernels: ``tiles.split_kv_loop``). Query tiles run
+on the diagonal (``common.split_kv_loop``, the Triton kernels' ranges). Query tiles run
 from the last (longest) to the first, so a global head's long rows start first.
 
-Outputs are those of ``forward.forward_call``: out, lse2 (log2 domain) and the per-row
-max |logit| when asked, so the Triton backward kernels take them unchanged.
+Outputs are those of the Triton forward: out, lse2 (log2 domain) and the per-row max |logit|
+when asked, so either backward takes them unchanged.
 
 Interpret mode (CPU tests) runs this kernel in Pallas' GPU interpreter (threads, barriers and
 TMA simulated), which does not take a register operand in ``wgmma``: there the P.V product is
-a plain dot (``mosaic_ring.mma``); everything else is the code the GPU runs.
+a plain dot (``ring.mma``); everything else is the code the GPU runs.
 """
 
 from __future__ import annotations
@@ -48,13 +46,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import kv_block_range
-from ls_jax.kernels.pallas_gpu.mosaic_ring import (REGISTERS, TILE_TRANSFORMS, band_loops,
-                                                   consumer_block, interpreter_fits, launch,
-                                                   mma, produce_kv, program_ids, ring_slot,
-                                                   row_min, selected_heads, softmax_carry,
-                                                   softmax_step, store_rows, tile_allowed,
-                                                   tile_union)
-from ls_jax.kernels.pallas_gpu.tiles import LOG2_E, MASKED_SCORE, split_kv_loop
+from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE, split_kv_loop
+from ls_jax.kernels.pallas_gpu.configs import HopperForwardConfig
+from ls_jax.kernels.pallas_gpu.mosaic.ring import (REGISTERS, STAGES, TILE_TRANSFORMS,
+                                                   band_loops, consumer_block, launch, mma,
+                                                   produce_kv, program_ids, ring_slot, row_min,
+                                                   selected_heads, softmax_carry, softmax_step,
+                                                   store_rows, tile_allowed, tile_union)
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
             block_q, block_k, stages, num_tiles, consumers, seq_len, score_scale, scale,
@@ -110,10 +108,8 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
 
         # The statistics' running row minimum of the scores. With three consumers (160
         # registers) at D=64 it is taken before the exponentials, while one score tile is live
-        # (after them it spilled and cost 5-8%, run L); otherwise after them, off the path from
-        # the row maximum to the exponentials: with two consumers before them cost 11-15%
-        # (run L), with three at D=128 1.985 vs 1.899 ms (n=8192) and 29.98 vs 28.46 ms
-        # (n=32768) every head global (H100, run Q).
+        # (after them it spills); otherwise after them, off the path from the row maximum to
+        # the exponentials.
         early_min = consumers > 2 and head_dim <= 64
 
         def step(j, carry, masked: bool):
@@ -164,26 +160,21 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
         end=union_end, stages=stages, registers=producer_registers))
 
 
-def forward_call_mosaic(plan, q, k, v, heads: tuple[int, ...] | None = None):
-    """The Mosaic GPU forward on padded inputs: same arguments (no segment ids) and outputs as
-    ``forward.forward_call``. Needs ``mosaic_ring.mosaic_fits`` and Tp a multiple of
-    block_q and of block_k (``make_plan`` pads so).
-
-    heads: the query heads to compute (default all); the other heads' rows of the outputs are
-    left unwritten, for the Triton forward to fill in (``forward.forward_call``).
+def forward_call(plan, config: HopperForwardConfig, heads: tuple[int, ...], q, k, v):
+    """The Hopper forward over the query ``heads`` on padded inputs (no segment ids;
+    ``heuristics.hopper_runs``), Tp a multiple of the config's blocks (``make_plan`` pads so).
+    Outputs as the Triton forward's; the other heads' rows are left unwritten, for a later
+    launch to fill in.
     """
     B, Tp, H, Dp = q.shape
     G = k.shape[2]
-    cfg = plan.config
-    block_q, block_k, stages = cfg.mosaic_block_q, cfg.mosaic_block_k, cfg.mosaic_stages
+    block_q, block_k, stages = config.block_q, config.block_k, STAGES
     with_stats = plan.logit_stats
     interpret = plan.interpret
-    consumers = cfg.mosaic_consumers
-    if interpret and not interpreter_fits(consumers):
-        consumers = 2  # the same results; three would hang the interpreter on this machine
+    consumers = config.consumers
     num_tiles = pl.cdiv(Tp, consumers * block_q)
     assert Tp % block_q == 0 and Tp % block_k == 0, (Tp, block_q, block_k)
-    heads, windows = selected_heads(plan, H, heads)
+    heads, windows = selected_heads(plan, heads)
 
     def entry(q_ref, k_ref, v_ref, out_ref, lse_ref, *stat):
         rows = plgpu.SMEM((consumers, block_q), jnp.float32)

@@ -1,0 +1,241 @@
+"""Which launches a Pallas GPU attention call runs: the one place that decides.
+
+Small pure functions from the case (dtype, head size, windows, length, batch, kv heads, the
+GPU) to ``configs.Launches``. ``backend.py`` executes what ``launches`` returns and has no
+choices of its own. Measurements behind the thresholds: docs/performance.md; the reasons:
+docs/kernel-notes.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ls_jax.kernels.band import cdiv, is_global
+from ls_jax.kernels.pallas_gpu.configs import (STRIP_BLOCK, HopperBackwardConfig,
+                                               HopperForwardConfig, Launch, Launches,
+                                               StripConfig, TritonConfig)
+from ls_jax.kernels.pallas_gpu.mosaic.backward import dq_smem_bytes
+from ls_jax.kernels.pallas_gpu.mosaic.strip import strip_smem_bytes
+
+# The Mosaic GPU lowering's limits (why a call may not take it).
+HOPPER_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit operands
+HOPPER_HEAD_DIM_MULTIPLE = 64  # one 128-byte swizzled row of 16-bit elements
+# Shared memory one Mosaic GPU program may take on Hopper (``shared_memory_per_block_optin``),
+# and what the lowering adds to our buffers (barriers, alignment), rounded up.
+SMEM_BYTES = 232448
+SMEM_SPARE = 4096
+REFERENCE_SMS = 132  # the SMs of the reference Hopper GPU, which interpret mode plans for
+
+# Three forward consumers make tiles 1.5x longer, so fewer programs: they pay only from this
+# many programs of the global heads (about two waves on the reference GPU).
+THREE_CONSUMER_MIN_PROGRAMS = 256
+# ... and from this many when the local heads share the launch (their programs are short).
+EVERY_HEAD_THREE_CONSUMER_MIN_PROGRAMS = 1024
+THREE_CONSUMER_MAX_HEAD_DIM = 128  # 160 registers hold a 64-row accumulator up to D=128
+# Three backward consumers (64-row blocks) beat two on 128-row blocks from this many programs
+# of the global heads' dQ kernel (about four waves), and only where their accumulators fit
+# 160 registers.
+THREE_BWD_CONSUMER_MIN_PROGRAMS = 512
+THREE_BWD_CONSUMER_MAX_HEAD_DIM = 64
+# The local heads take the Hopper backward at this head size; at D=64 the Triton kernels'
+# 32-row tiles waste less of a narrow band.
+LOCAL_HOPPER_BACKWARD_HEAD_DIM = 128
+# ... and the Hopper forward where every local window is at least this wide; narrower bands
+# leave most of a 128-key block masked.
+LOCAL_HOPPER_FORWARD_MIN_WINDOW = 256
+# D <= 64 LS mixes up to this length run each backward kernel as one Triton launch: a Hopper
+# launch for the global heads beside a Triton one for the local heads costs more than it saves.
+SHORT_MIX_TRITON_BACKWARD_MAX_SEQ_LEN = 8192
+# The local heads' forward as strips (D=64) from this length; shorter calls are launch-bound.
+STRIP_MIN_SEQ_LEN = 4096
+STRIP_HEAD_DIM = 64  # three strip consumers' registers hold D=64 tiles; D=128 would spill
+STRIP_CONSUMERS = 3
+MAX_STRIP_BLOCKS = 128  # query blocks per strip
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """What the heuristics need to know of the GPU: Hopper's instructions, and its SMs."""
+
+    hopper: bool
+    sms: int
+
+
+def current_gpu(interpret: bool = False) -> Gpu:
+    """The GPU of JAX's first device; in interpret mode the reference GPU (so the CPU tests
+    run the Hopper launches in Pallas' GPU interpreter)."""
+    if interpret:
+        return Gpu(hopper=True, sms=REFERENCE_SMS)
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return Gpu(hopper=False, sms=REFERENCE_SMS)
+    hopper = str(getattr(device, "compute_capability", "")).startswith("9.")
+    return Gpu(hopper=hopper, sms=int(getattr(device, "core_count", 0) or REFERENCE_SMS))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """The static facts of one call that the launches depend on.
+
+    windows: per query head, the window (int >= 1) or None (global); head_dim the padded head
+    size the kernels see.
+    """
+
+    dtype: jnp.dtype
+    head_dim: int
+    windows: tuple[int | None, ...]
+    seq_len: int
+    batch: int
+    num_kv_heads: int
+    has_segments: bool
+    gpu: Gpu
+    interpret: bool = False
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.windows)
+
+    def global_heads(self) -> tuple[int, ...]:
+        return tuple(h for h, w in enumerate(self.windows) if is_global(w, self.seq_len))
+
+    def local_heads(self) -> tuple[int, ...]:
+        return tuple(h for h, w in enumerate(self.windows) if not is_global(w, self.seq_len))
+
+
+def hopper_runs(case: Case) -> bool:
+    """Whether the Mosaic GPU kernels take the call: a Hopper GPU, 16-bit inputs, head size a
+    multiple of 64, no segment ids."""
+    return (case.gpu.hopper and jnp.dtype(case.dtype) in tuple(map(jnp.dtype, HOPPER_DTYPES))
+            and case.head_dim % HOPPER_HEAD_DIM_MULTIPLE == 0 and not case.has_segments)
+
+
+def triton_config(case: Case) -> TritonConfig:
+    """The Triton tiles: small ones for narrow bands; with every head global, 128-row forward
+    and dQ tiles and 128-key dK/dV tiles, the forward's interior tiles in a loop of their own,
+    and 8 warps for D > 64; float32 dots take small tiles and fewer stages."""
+    if jnp.dtype(case.dtype) == jnp.float32:
+        return TritonConfig(block_q=64, block_k=32, num_stages=2)
+    if not case.local_heads():
+        return TritonConfig(block_q=128, dq_block_q=128, dkdv_block_k=128, split_loop=True,
+                            num_warps=8 if case.head_dim > 64 else 4)
+    return TritonConfig()
+
+
+def _tile_programs(case: Case, num_heads: int, rows: int) -> int:
+    """Programs of a launch over ``num_heads`` heads in tiles of ``rows`` query rows."""
+    return case.batch * num_heads * cdiv(case.seq_len, rows)
+
+
+def hopper_forward(case: Case, heads: tuple[int, ...]) -> HopperForwardConfig:
+    """The Hopper forward for ``heads``: three consumers where the launch has programs enough
+    (counted over the global heads, or over every head when local heads share it)."""
+    block_q = 64
+    n_global = len(set(heads) & set(case.global_heads()))
+    if len(heads) > n_global:
+        programs, needed = _tile_programs(case, len(heads), 3 * block_q), \
+            EVERY_HEAD_THREE_CONSUMER_MIN_PROGRAMS
+    else:
+        programs, needed = _tile_programs(case, n_global, 3 * block_q), \
+            THREE_CONSUMER_MIN_PROGRAMS
+    three = case.head_dim <= THREE_CONSUMER_MAX_HEAD_DIM and programs >= needed
+    # with no global head, a local band is short: 64-key blocks
+    block_k = 128 if n_global else 64
+    return HopperForwardConfig(block_q=block_q, block_k=block_k, consumers=3 if three else 2)
+
+
+def delta_fits(config: HopperBackwardConfig, head_dim: int, itemsize: int) -> bool:
+    """Whether the Hopper dQ kernel has the shared memory for O's tile (to compute delta
+    itself) with ``SMEM_SPARE`` left."""
+    return (dq_smem_bytes(dataclasses.replace(config, dq_delta=True), head_dim, itemsize)
+            <= SMEM_BYTES - SMEM_SPARE)
+
+
+def hopper_backward(case: Case) -> HopperBackwardConfig:
+    """The Hopper backward: three consumers on 64-row blocks where the global heads' dQ
+    kernel has programs enough and D <= 64, else two on 128-row query blocks (64 at D > 64,
+    where 128 spills); 128-key dQ blocks at D > 64 with every head global; delta in the dQ
+    kernel where it fits."""
+    wide = case.head_dim > 64
+    three = (case.head_dim <= THREE_BWD_CONSUMER_MAX_HEAD_DIM
+             and _tile_programs(case, len(case.global_heads()), 3 * 64)
+             >= THREE_BWD_CONSUMER_MIN_PROGRAMS)
+    consumers = 3 if three else 2
+    no_global = not case.global_heads()
+    block_q = 64 if wide or three or no_global else 128
+    dq_block_k = 128 if wide and not case.local_heads() else 64
+    config = HopperBackwardConfig(block_q=block_q, block_k=64, dq_block_k=dq_block_k,
+                                  consumers=consumers)
+    itemsize = jnp.dtype(case.dtype).itemsize
+    return dataclasses.replace(config, dq_delta=delta_fits(config, case.head_dim, itemsize))
+
+
+def strip_fits(case: Case, heads: tuple[int, ...]) -> bool:
+    """The strip kernel takes these local heads: D=64, and a ring for the widest window that
+    fits shared memory with ``SMEM_SPARE`` left (windows up to 256)."""
+    widest = max(case.windows[h] for h in heads)
+    return (case.head_dim == STRIP_HEAD_DIM and strip_smem_bytes(
+        widest, case.head_dim, jnp.dtype(case.dtype).itemsize, STRIP_CONSUMERS)
+        <= SMEM_BYTES - SMEM_SPARE)
+
+
+def strip_config(case: Case, heads: tuple[int, ...]) -> StripConfig:
+    """Each (head, batch element) row cut into as many strips as keep the programs within one
+    wave of the SMs (at least one strip a row), at most ``MAX_STRIP_BLOCKS`` blocks each: a
+    longer strip reads each key/value block fewer times."""
+    num_blocks = cdiv(case.seq_len, STRIP_BLOCK)
+    per_row = max(1, case.gpu.sms // max(case.batch * len(heads), 1))
+    strip = max(1, min(MAX_STRIP_BLOCKS, cdiv(num_blocks, per_row)))
+    return StripConfig(strip_blocks=strip, consumers=STRIP_CONSUMERS)
+
+
+def _local_on_hopper_forward(case: Case) -> bool:
+    local = case.local_heads()
+    return (bool(local) and case.head_dim == LOCAL_HOPPER_BACKWARD_HEAD_DIM
+            and min(case.windows[h] for h in local) >= LOCAL_HOPPER_FORWARD_MIN_WINDOW)
+
+
+def forward_launches(case: Case) -> tuple[Launch, ...]:
+    """The forward: the global heads on the Hopper forward, the local heads as strips (D=64,
+    from ``STRIP_MIN_SEQ_LEN``) or on the Hopper forward too (D=128, wide windows), the rest on
+    the Triton forward."""
+    everything = tuple(range(case.num_heads))
+    if not hopper_runs(case):
+        return (Launch("triton", everything, triton_config(case)),)
+    glob, local = case.global_heads(), case.local_heads()
+    if not local or _local_on_hopper_forward(case):
+        return (Launch("hopper", everything, hopper_forward(case, everything)),)
+    launches = [Launch("hopper", glob, hopper_forward(case, glob))] if glob else []
+    if case.seq_len >= STRIP_MIN_SEQ_LEN and strip_fits(case, local):
+        launches.append(Launch("strip", local, strip_config(case, local)))
+    else:
+        launches.append(Launch("triton", local, triton_config(case)))
+    return tuple(launches)
+
+
+def backward_launches(case: Case) -> tuple[Launch, ...]:
+    """The backward: every head on the Hopper kernels with every head global or at D=128; the
+    global heads on them and the local heads on the Triton kernels in other mixes (one kv
+    head per query head, longer than ``SHORT_MIX_TRITON_BACKWARD_MAX_SEQ_LEN`` at D <= 64);
+    else every head on the Triton kernels."""
+    everything = tuple(range(case.num_heads))
+    triton_all = (Launch("triton", everything, triton_config(case)),)
+    if not hopper_runs(case):
+        return triton_all
+    glob, local = case.global_heads(), case.local_heads()
+    if not local or case.head_dim == LOCAL_HOPPER_BACKWARD_HEAD_DIM:
+        return (Launch("hopper", everything, hopper_backward(case)),)
+    short_narrow = (case.head_dim <= 64
+                    and case.seq_len <= SHORT_MIX_TRITON_BACKWARD_MAX_SEQ_LEN)
+    if not glob or short_narrow or case.num_kv_heads != case.num_heads:
+        return triton_all
+    return (Launch("hopper", glob, hopper_backward(case)),
+            Launch("triton", local, triton_config(case)))
+
+
+def launches(case: Case) -> Launches:
+    """The call's launches (``configs.Launches`` checks that they cover every head once)."""
+    return Launches(forward=forward_launches(case), backward=backward_launches(case),
+                    num_heads=case.num_heads, num_kv_heads=case.num_kv_heads)

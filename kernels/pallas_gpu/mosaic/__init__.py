@@ -1,0 +1,1 @@
+"""The Mosaic GPU (Hopper) lowering: the forward, the backward and the strip forward."""

@@ -1,0 +1,1 @@
+"""The Pallas Triton lowering: the forward and backward for any CUDA GPU."""

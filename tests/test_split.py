@@ -14,13 +14,15 @@ import numpy as np
 import pytest
 
 from ls_jax.kernels import ls_attention, split
-from ls_jax.kernels.pallas_gpu import KernelConfig
+from ls_jax.kernels.heads import kv_for_heads
+from ls_jax.kernels.pallas_gpu import Launch, Launches, TritonConfig
 from ls_jax.kernels.reference import reference_attention_parts
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
 # small tiles keep interpret mode fast; T = 40 is not a multiple of them
-TILES = KernelConfig(16, 16, 16, 16, 16, 16)
+TILES = TritonConfig(block_q=16, block_k=16, dq_block_q=16, dq_block_k=16, dkdv_block_q=16,
+                     dkdv_block_k=16)
 SCALE = 0.3
 TOL = 1e-2  # bfloat16 rounding of out / grads (measured <= 4e-3 here)
 
@@ -59,12 +61,25 @@ def calls(monkeypatch):
     return log
 
 
+def local_launches(windows, k, num_heads):
+    """One Triton launch on ``TILES`` over the local heads, for as many kv heads as the backend
+    gives them (shapes only: nothing enters the caller's trace)."""
+    _, local = split.split_heads(windows, k.shape[1])
+    if not local:
+        return None
+    num_kv = jax.eval_shape(lambda k: kv_for_heads(k, k, local, num_heads)[0], k).shape[2]
+    launch = Launch("triton", tuple(range(len(local))), TILES)
+    return Launches(forward=(launch,), backward=(launch,), num_heads=len(local),
+                    num_kv_heads=num_kv)
+
+
 def split_fn(windows, return_logit_stats):
     """The backend on (q, k, v), in interpret mode on small tiles (jitted: several times faster
     than eager interpret mode; traced afresh per call, so ``calls`` sees every trace)."""
     return lambda q, k, v: split.split_backend(
         q, k, v, window_sizes=windows, segment_ids=None, scale=SCALE, interpret=True,
-        config=TILES, return_logit_stats=return_logit_stats)
+        launches=local_launches(windows, k, q.shape[2]),
+        return_logit_stats=return_logit_stats)
 
 
 def run_split(q, k, v, windows, return_logit_stats):

@@ -15,12 +15,12 @@ LOWERINGS = ("triton", "hopper", "strip")
 
 
 def _check_power_of_two(owner: str, name: str, value, minimum: int):
-    if not (isinstance(value, int) and value >= minimum and not value & (value - 1)):
+    if not (type(value) is int and value >= minimum and not value & (value - 1)):
         raise ValueError(f"{owner}.{name}: expected a power of two >= {minimum}, got {value!r}")
 
 
 def _check_choice(owner: str, name: str, value, choices):
-    if value not in choices:
+    if not any(type(value) is type(c) and value == c for c in choices):
         raise ValueError(f"{owner}.{name}: expected one of {tuple(choices)}, got {value!r}")
 
 
@@ -122,7 +122,7 @@ class StripConfig:
     consumers: int = 3
 
     def __post_init__(self):
-        if not (isinstance(self.strip_blocks, int) and self.strip_blocks >= 1):
+        if not (type(self.strip_blocks) is int and self.strip_blocks >= 1):
             raise ValueError(f"StripConfig.strip_blocks: expected an int >= 1, got "
                              f"{self.strip_blocks!r}")
         _check_choice("StripConfig", "consumers", self.consumers, (2, 3))

@@ -23,6 +23,7 @@ from ls_jax.kernels.pallas_gpu.mosaic.strip import strip_smem_bytes
 # The Mosaic GPU lowering's limits (why a call may not take it).
 HOPPER_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit operands
 HOPPER_HEAD_DIM_MULTIPLE = 64  # one 128-byte swizzled row of 16-bit elements
+HOPPER_MAX_HEAD_DIM = 128  # the query tiles and the two-stage key/value ring fit shared memory
 # Shared memory one Mosaic GPU program may take on Hopper (``shared_memory_per_block_optin``),
 # and what the lowering adds to our buffers (barriers, alignment), rounded up.
 SMEM_BYTES = 232448
@@ -105,11 +106,17 @@ class Case:
         return tuple(h for h, w in enumerate(self.windows) if not is_global(w, self.seq_len))
 
 
+def mosaic_takes(case: Case) -> bool:
+    """Whether the Mosaic GPU kernels can compute the call: 16-bit inputs, head size a
+    multiple of 64 up to ``HOPPER_MAX_HEAD_DIM``, no segment ids."""
+    return (jnp.dtype(case.dtype) in tuple(map(jnp.dtype, HOPPER_DTYPES))
+            and case.head_dim % HOPPER_HEAD_DIM_MULTIPLE == 0
+            and case.head_dim <= HOPPER_MAX_HEAD_DIM and not case.has_segments)
+
+
 def hopper_runs(case: Case) -> bool:
-    """Whether the Mosaic GPU kernels take the call: a Hopper GPU, 16-bit inputs, head size a
-    multiple of 64, no segment ids."""
-    return (case.gpu.hopper and jnp.dtype(case.dtype) in tuple(map(jnp.dtype, HOPPER_DTYPES))
-            and case.head_dim % HOPPER_HEAD_DIM_MULTIPLE == 0 and not case.has_segments)
+    """Whether the Mosaic GPU kernels run the call: ``mosaic_takes`` it, on a Hopper GPU."""
+    return case.gpu.hopper and mosaic_takes(case)
 
 
 def triton_config(case: Case) -> TritonConfig:

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import os
 
+import jax.numpy as jnp
 import numpy as np
 
 from ls_jax.kernels.band import WindowSizes, cdiv, is_global, kv_block_range, q_block_range
@@ -78,16 +79,22 @@ def make_plan(*, seq_len: int, head_dim: int, windows: WindowSizes, num_kv_heads
     """The call's plan: ``launches`` (default: ``heuristics.launches`` for this case on this
     GPU) fitted to the sequence, and the padding they need."""
     head_dim_padded = padded_head_dim(head_dim)
+    case = heuristics.Case(dtype=dtype, head_dim=head_dim_padded, windows=tuple(windows),
+                           seq_len=seq_len, batch=batch, num_kv_heads=num_kv_heads,
+                           has_segments=has_segments, gpu=heuristics.current_gpu(interpret),
+                           interpret=interpret)
     if launches is None:
-        case = heuristics.Case(dtype=dtype, head_dim=head_dim_padded, windows=tuple(windows),
-                               seq_len=seq_len, batch=batch, num_kv_heads=num_kv_heads,
-                               has_segments=has_segments,
-                               gpu=heuristics.current_gpu(interpret), interpret=interpret)
         launches = heuristics.launches(case)
     elif (launches.num_heads, launches.num_kv_heads) != (len(windows), num_kv_heads):
         raise ValueError(f"launches: expected launches for {len(windows)} query heads and "
                          f"{num_kv_heads} kv heads, got {launches.num_heads} and "
                          f"{launches.num_kv_heads}")
+    elif not heuristics.mosaic_takes(case) and any(
+            launch.lowering != "triton" for launch in launches.forward + launches.backward):
+        raise ValueError(
+            f"launches: the Mosaic GPU lowerings take 16-bit inputs, a head size that pads to "
+            f"64 or 128 and no segment ids; got {jnp.dtype(dtype).name}, head size {head_dim}"
+            f"{', segment ids' if has_segments else ''}: use 'triton' launches")
     launches = fit_launches(launches, seq_len, interpret)
     block = max(launches.blocks())
     seq_len_padded = cdiv(seq_len, block) * block

@@ -6,16 +6,16 @@ It sits above the library: it resolves named configs (this package) and calls ``
 from __future__ import annotations
 
 import argparse
-import logging
+import os
 import sys
-import warnings
 
 from ls_jax.configs import get_config
 
 try:
     from ls_jax.checkpoint import CheckpointError
     from ls_jax.evaluate import evaluate_checkpoint
-    from ls_jax.rundir import WorkdirLocked
+    from ls_jax.metrics import send_library_logs_to
+    from ls_jax.rundir import RunDir, WorkdirLocked
     from ls_jax.sharding import maybe_initialize_distributed
     from ls_jax.train import TrainingDiverged, train
 except ModuleNotFoundError as e:  # a core-only install: `pip install ls-jax` without [train]
@@ -28,22 +28,21 @@ EXPECTED_ERRORS = (ValueError, OSError, ImportError, CheckpointError, WorkdirLoc
                    TrainingDiverged)
 
 
-class _NoTraceback(logging.Filter):
-    """Drops the traceback of a library's log record (orbax logs one for a failed async save);
-    the record's own line stays, and the CLI's one ``error:`` line names the cause."""
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one ``error:`` line (no usage), exit 2."""
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.exc_info, record.exc_text, record.stack_info = None, None, None
-        return True
+    def error(self, message: str):
+        self.exit(2, f"error: {' '.join(message.split())}\n")
 
 
-def quiet_library_tracebacks() -> None:
-    """Without ``--debug``: library log records (absl: orbax, grain) without tracebacks, and no
-    warning about the never-awaited writes of an aborted save."""
-    logger = logging.getLogger("absl")
-    if not any(isinstance(f, _NoTraceback) for f in logger.filters):
-        logger.addFilter(_NoTraceback())
-    warnings.filterwarnings("ignore", message="coroutine .* was never awaited")
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return value
 
 
 def _one_line(e: BaseException) -> str:
@@ -52,7 +51,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def train_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         description="Train an LS-attention language model.",
         epilog="Example: python train.py --config tiny --workdir runs/tiny train.num_steps=200")
     parser.add_argument("--config", default="tiny", help="named config (configs/): %(default)s")
@@ -71,9 +70,8 @@ def train_main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     maybe_initialize_distributed(args.distributed)
-    if not args.debug:
-        quiet_library_tracebacks()
     workdir = args.workdir or f"runs/{cfg.name}"
+    send_library_logs_to(RunDir(workdir).library_log_path, echo=args.debug)
     try:
         result = train(cfg, workdir)
     except EXPECTED_ERRORS as e:
@@ -81,26 +79,26 @@ def train_main(argv: list[str] | None = None) -> int:
             raise
         print(_one_line(e), file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before the first step: no save
+    except KeyboardInterrupt as e:  # a second signal: stopped at once (ls_jax.train.Interrupted)
         if args.debug:
             raise
-        print(f"error: interrupted without saving; rerun the same command to resume from the "
-              f"last checkpoint in {workdir}", file=sys.stderr)
-        return 130
-    print(f"done: step {result.final_step} in {workdir}"
-          + (" (interrupted; rerun the same command to resume)" if result.interrupted else ""))
+        print(_one_line(e) if str(e) else "error: interrupted", file=sys.stderr)
+        return 128 + getattr(e, "signum", 2)
+    if not result.interrupted:  # a stop logged its own line
+        print(f"done: step {result.final_step} in {workdir}")
     return 0
 
 
 def eval_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Evaluate a checkpoint written by train.py.")
+    parser = _Parser(description="Evaluate a checkpoint written by train.py.")
     parser.add_argument("--checkpoint", required=True, help="the run directory (train --workdir)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--split", default=None, help="data split (default: the config's eval split)")
-    parser.add_argument("--seq-len", type=int, default=None,
+    parser.add_argument("--seq-len", type=_at_least_one, default=None,
                         help="sequence length (default: training's); may differ, for length generalisation")
-    parser.add_argument("--max-batches", type=int, default=None, help="cap on batches (default: all)")
-    parser.add_argument("--batch-size", type=int, default=None, help="default: training's")
+    parser.add_argument("--max-batches", type=_at_least_one, default=None,
+                        help="read only the first K batches (default: the whole split)")
+    parser.add_argument("--batch-size", type=_at_least_one, default=None, help="default: training's")
     parser.add_argument("--output", default=None, help="JSON output path")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error instead of one line")
@@ -108,8 +106,9 @@ def eval_main(argv: list[str] | None = None) -> int:
                         help="config overrides that leave the model alone: data.* (e.g. a moved "
                              "data.data_dir or data.tokenizer path) and train.*; model.* is refused")
     args = parser.parse_args(argv)
-    if not args.debug:
-        quiet_library_tracebacks()
+    run = RunDir(args.checkpoint)  # no log file where there is no run directory
+    send_library_logs_to(run.library_log_path if os.path.isdir(run.path) else None,
+                         echo=args.debug)
     try:
         result = evaluate_checkpoint(args.checkpoint, step=args.step, split=args.split,
                                      seq_len=args.seq_len, max_batches=args.max_batches,

@@ -7,14 +7,21 @@ Each step is ``<workdir>/checkpoints/<step>/{state/, data/, data_meta/, checksum
 state per process (grain's ``process_<i>-of-<n>.json``), ``data_meta/`` its ``DataLayout``.
 A restore recomputes the checksums (and checks every float array is finite);
 ``restore_latest_intact`` falls back to the newest step that passes and moves damaged newer
-steps aside (``RunDir.damaged_checkpoint_dir``), never deleting them. A failed save raises
-``CheckpointError`` naming the cause at the next ``save`` or ``check_for_errors`` and leaves no
-partial (tmp) directory behind.
+steps aside (``RunDir.damaged_checkpoint_dir``), never deleting them.
+
+A save counts once it is committed: its step directory is final on disk (``poll`` and
+``wait`` return the steps committed since the last call). A save that fails raises
+``CheckpointError`` naming the step, the cause and the checkpoints that remain, at the first
+``poll`` after orbax finished with it, and leaves no partial (tmp) directory behind. Old steps
+are deleted (keep-last-N) only after a newer one committed, so a failed save never costs an
+earlier checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import logging
 import os
 import re
 import shutil
@@ -24,14 +31,23 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from ls_jax.rundir import CHECKPOINT_SUBDIR, RunDir
+from ls_jax import sharding as sharding_lib
+from ls_jax.rundir import CHECKPOINT_SUBDIR, RunDir, remedy
 
 _TMP_MARKER = ".orbax-checkpoint-tmp"
 _GRAIN_FILE = re.compile(r"process_\d+-of-(\d+)\.json")  # grain's name for one process's state
+_CAUSE_CHARS = 100  # a cause in a one-line message; the whole error goes to the library log
+_TENSORSTORE_OS_ERROR = re.compile(r"\[os_error_code='?(\d+)'?\]")
+_log = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint directory that is missing, empty, unreadable or damaged, or a failed save."""
+    """A checkpoint directory that is missing, empty, unreadable or damaged, or a failed save.
+    ``reason``: what is wrong with the step, without naming it."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 def _leaf_checksum(x):
@@ -60,14 +76,65 @@ def state_checksums(state) -> tuple[dict[str, int], list[str]]:
             [p for p, ok in zip(paths, finite) if not bool(ok)])
 
 
-def _root_cause(e: BaseException) -> str:
-    """The innermost cause of ``e`` as one line ("OSError: [Errno 28] No space left...")."""
+def _innermost(e: BaseException) -> BaseException:
     seen = set()
     while id(e) not in seen and (e.__cause__ or e.__context__) is not None:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return e
+
+
+def _os_errno(e: BaseException) -> int | None:
+    """The errno of an OSError, or of the OS error TensorStore names in its message."""
+    e = _innermost(e)
+    if isinstance(e, OSError) and e.errno is not None:
+        return e.errno
+    found = _TENSORSTORE_OS_ERROR.search(str(e))
+    return int(found.group(1)) if found else None
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost cause of ``e`` as one short line ("OSError: [Errno 28] No space left on
+    device", also for TensorStore's wrapping of it)."""
+    err = _os_errno(e)
+    if err is not None:
+        return f"OSError: [Errno {err}] {os.strerror(err)}"
+    e = _innermost(e)
+    text = " ".join(str(e).split())
+    if len(text) > _CAUSE_CHARS:
+        text = text[:_CAUSE_CHARS - 3] + "..."
+    return f"{type(e).__name__}: {text}".rstrip(": ")
+
+
+def _close_unstarted_writes(e: BaseException) -> None:
+    """Closes the writes orbax had prepared but not started when a save raised at once.
+
+    Orbax's composite save creates each async item's write (a coroutine) in turn and awaits
+    them together; a blocking item that raises first (grain's iterator writer, on a full disk)
+    abandons the ones created before it. They never ran, so closing them loses nothing and
+    spares the "coroutine ... was never awaited" warning their garbage collection would give.
+    """
+    tb = e.__traceback__
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            for item in value if isinstance(value, list) else (value,):
+                if inspect.iscoroutine(item) and \
+                        inspect.getcoroutinestate(item) == inspect.CORO_CREATED:
+                    item.close()
+        tb = tb.tb_next
+
+
+class _FirstError(logging.Handler):
+    """Keeps the first ERROR record with an exception that orbax logs (a background save's
+    failure is logged, and not always raised again)."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.error: BaseException | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.error is None and record.exc_info and record.exc_info[1] is not None:
+            self.error = record.exc_info[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +161,17 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint: expected a run directory holding '{CHECKPOINT_SUBDIR}/', but "
                 f"{self.directory} does not exist")
+        # keep-last-N is ours (_prune): orbax's deletes old steps even when the new save failed
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=create, enable_async_checkpointing=async_save,
+            max_to_keep=None, create=create, enable_async_checkpointing=async_save,
             cleanup_tmp_directories=create)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self.keep = keep
         self._failed = False
+        self._pending: int | None = None  # the step whose save is not verified yet
+        self._committed: list[int] = []  # verified since the last poll / wait
+        self._orbax_error = _FirstError()
+        logging.getLogger("absl").addHandler(self._orbax_error)  # orbax logs through absl
 
     def all_steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -109,13 +182,13 @@ class Checkpointer:
     # -- saving -------------------------------------------------------------------------------
     def save(self, step: int, state: Any, data_iterator: Any | None = None,
              pipeline_seed: int | None = None) -> None:
-        """Starts saving ``step`` (async unless disabled). Raises ``CheckpointError`` if this or
-        an earlier async save failed.
+        """Starts saving ``step`` (async unless disabled), after verifying the previous save.
+        Raises ``CheckpointError`` if that or this save failed.
 
         data_iterator: this process's grain iterator; its position is saved with its
         ``DataLayout`` (this run's process count and ``pipeline_seed``, the seed it was built
         from)."""
-        self.check_for_errors()
+        self._resolve(block=True)
         checksums, _ = state_checksums(state)
         items = {"state": ocp.args.StandardSave(state),
                  "checksums": ocp.args.JsonSave(checksums)}
@@ -124,25 +197,84 @@ class Checkpointer:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
             items["data_meta"] = ocp.args.JsonSave(dataclasses.asdict(
                 DataLayout(jax.process_count(), pipeline_seed)))
+        self._orbax_error.error = None
+        self._pending = step
         try:
             self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:
-            self._save_failed(e, step)
+            self._pending = None
+            _close_unstarted_writes(e)
+            self._save_failed(step, e)
 
-    def check_for_errors(self) -> None:
-        """Raises ``CheckpointError`` (one line naming the cause) if an async save failed."""
+    def poll(self) -> list[int]:
+        """The steps whose saves committed since the last call, without waiting. Raises
+        ``CheckpointError`` if the pending save failed."""
+        self._resolve(block=False)
+        return self._take_committed()
+
+    def wait(self) -> list[int]:
+        """``poll`` after waiting for the pending save."""
+        self._resolve(block=True)
+        return self._take_committed()
+
+    def _take_committed(self) -> list[int]:
+        steps, self._committed = self._committed, []
+        return steps
+
+    def _resolve(self, block: bool, agree: bool = True) -> None:
+        """Verifies the pending save once orbax is done with it (``block``: waits for it).
+
+        agree: with several processes, they decide together (a host collective) when the save
+        is done and whether it failed anywhere, so all stop, or delete old steps (a barrier in
+        orbax), at the same step."""
+        step = self._pending
+        if step is None:
+            return
+        if not block:
+            busy = self._manager.is_saving_in_progress()
+            if sharding_lib.any_process(busy) if agree else busy:
+                return
+        self._pending = None
+        error = None
         try:
+            self._manager.wait_until_finished()
             self._manager.check_for_errors()
         except Exception as e:
-            self._save_failed(e, None)
+            error = e
+        if error is None and not self._is_committed(step):
+            error = self._orbax_error.error or CheckpointError(
+                f"orbax finished without committing {os.path.join(self.directory, str(step))}")
+        if agree and sharding_lib.any_process(error is not None) and error is None:
+            error = CheckpointError(f"another process failed to save step {step}")
+        if error is not None:
+            self._save_failed(step, error)
+        self._committed.append(step)
+        self._prune()
 
-    def _save_failed(self, e: BaseException, step: int | None):
+    def _is_committed(self, step: int) -> bool:
+        return os.path.isdir(os.path.join(self.directory, str(step)))
+
+    def committed_steps(self) -> list[int]:
+        """The committed steps on disk (not orbax's cached list)."""
+        return self.run.checkpoint_steps()
+
+    def _prune(self) -> None:
+        """Deletes the oldest committed steps beyond ``keep``."""
+        self._manager.reload()
+        for old in self.committed_steps()[:-self.keep]:
+            self._manager.delete(old)
+
+    def _save_failed(self, step: int, e: BaseException):
         self._failed = True
+        _log.error("saving step %d to %s failed", step, self.directory, exc_info=e)
         self._remove_tmp_dirs()
-        what = f"step {step}" if step is not None else "a checkpoint"
-        raise CheckpointError(f"checkpoint: saving {what} to {self.directory} failed "
-                              f"({_root_cause(e)}); the run stopped, earlier checkpoints are "
-                              f"intact") from e
+        self._manager.reload()
+        left = self.committed_steps()
+        then = (f"then rerun the same command to resume from step {left[-1]}" if left else
+                "then rerun the same command to start over")
+        raise CheckpointError(
+            f"checkpoint: saving step {step} to {self.directory} failed ({_root_cause(e)}); "
+            f"the checkpoints left there: {left or 'none'}; {remedy(_os_errno(e))}, {then}") from e
 
     def _remove_tmp_dirs(self) -> None:
         """Partial directories of unfinished saves (never a finished step)."""
@@ -164,9 +296,9 @@ class Checkpointer:
                     step, args=ocp.args.Composite(data_meta=ocp.args.JsonRestore()))["data_meta"]
                 return DataLayout(int(meta["process_count"]), meta["pipeline_seed"])
             except Exception as e:
-                raise CheckpointError(
-                    f"checkpoint: step {step} in {self.directory} could not be restored (its "
-                    f"data_meta is damaged): {_root_cause(e)}") from e
+                reason = f"unreadable data_meta: {_root_cause(e)}"
+                raise CheckpointError(f"checkpoint: step {step} in {self.directory} could not be "
+                                      f"restored ({reason})", reason) from e
         data_dir = os.path.join(step_dir, "data")
         counts = {int(m.group(1)) for name in (os.listdir(data_dir) if os.path.isdir(data_dir)
                                                else ()) if (m := _GRAIN_FILE.fullmatch(name))}
@@ -218,22 +350,23 @@ class Checkpointer:
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # orbax raises many types for damaged directories
-            raise CheckpointError(
-                f"checkpoint: step {step} in {self.directory} could not be restored (truncated or "
-                f"damaged?): {_root_cause(e)}") from e
+            reason = f"unreadable: {_root_cause(e)}"
+            raise CheckpointError(f"checkpoint: step {step} in {self.directory} could not be "
+                                  f"restored (truncated or damaged? {_root_cause(e)})",
+                                  reason) from e
         state = restored["state"]
         sums, non_finite = state_checksums(state)
         if has_checksums:
             expected = dict(restored["checksums"])
             bad = [p for p in sums if expected.get(p) != sums[p]]
             if bad or (not partial and set(sums) != set(expected)):
+                reason = f"checksum mismatch in {len(bad)} array(s), first {bad[:1]}"
                 raise CheckpointError(
-                    f"checkpoint: step {step} in {self.directory} is damaged: checksum mismatch "
-                    f"in {len(bad)} array(s), first {bad[:1]}")
+                    f"checkpoint: step {step} in {self.directory} is damaged: {reason}", reason)
         if non_finite:
+            reason = f"non-finite values in {len(non_finite)} array(s), first {non_finite[0]}"
             raise CheckpointError(
-                f"checkpoint: step {step} in {self.directory} is damaged: non-finite values in "
-                f"{len(non_finite)} array(s), first {non_finite[0]}")
+                f"checkpoint: step {step} in {self.directory} is damaged: {reason}", reason)
         return step, state
 
     def restore_latest_intact(self, abstract_state: Any,
@@ -260,17 +393,20 @@ class Checkpointer:
                 step, state = self._restore(step, abstract_state, data_iterator, layout,
                                             partial=False)
             except CheckpointError as e:
+                _log.warning("%s", e, exc_info=e.__cause__)  # the whole error, to the log file
                 damaged.append((step, e))
                 continue
             for bad_step, err in damaged:
                 dest = self._move_aside(bad_step)
-                log(f"warning: {err}; moved to {dest}, resuming from step {step}")
+                log(f"warning: checkpoint: step {bad_step} is damaged ({err.reason}); moved to "
+                    f"{dest}, resuming from step {step}")
             if damaged:
                 self._manager.reload()
             return step, state
         raise CheckpointError(
             f"checkpoint: no intact checkpoint in {self.directory} (steps {steps} are all "
-            f"damaged; newest: {damaged[0][1]}); nothing was moved or deleted")
+            f"damaged; step {damaged[0][0]}: {damaged[0][1].reason}); nothing was moved or "
+            f"deleted")
 
     def _move_aside(self, step: int) -> str:
         os.makedirs(self.run.damaged_checkpoint_dir, exist_ok=True)
@@ -284,15 +420,14 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for a pending save; raises ``CheckpointError`` if it failed (once)."""
-        reported = self._failed
         try:
-            self._manager.wait_until_finished()
-            self.check_for_errors()
-        except CheckpointError:
-            if not reported:
-                raise
-        except Exception as e:
-            if not reported:
-                self._save_failed(e, None)
+            # raises only a failure not reported yet; no collective (other processes may not
+            # be closing: this one can be here because of an error of its own)
+            self._resolve(block=True, agree=False)
         finally:
-            self._manager.close()
+            logging.getLogger("absl").removeHandler(self._orbax_error)
+            try:
+                self._manager.close()
+            except Exception:
+                if not self._failed:
+                    raise

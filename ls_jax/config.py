@@ -257,6 +257,13 @@ class Config:
             raise ValueError(
                 f"data.seq_len: expected <= model.max_seq_len={self.model.max_seq_len} with "
                 f"learned positions, got {self.data.seq_len}")
+        # a window of the whole sequence sees every earlier key: the local heads would be global
+        n_local = self.model.n_head - self.model.n_global_heads
+        if n_local and self.model.window >= self.data.seq_len:
+            raise ValueError(
+                f"model.window: expected < data.seq_len={self.data.seq_len} (the {n_local} local "
+                f"head(s) would see the whole sequence, as global heads; for that set "
+                f"model.n_global_heads={self.model.n_head}), got {self.model.window}")
 
     # -- overrides -------------------------------------------------------------------------
     def override(self, assignments: list[str] | tuple[str, ...]) -> "Config":

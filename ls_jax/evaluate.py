@@ -10,7 +10,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +22,7 @@ from ls_jax import sharding as sharding_lib
 from ls_jax.config import Config
 from ls_jax.loss import lm_loss
 from ls_jax.metrics import logit_norm_summary
-from ls_jax.rundir import RunDir
+from ls_jax.rundir import RunDir, write_atomically
 from ls_jax.state import restore_model
 from ls_jax.tokenizer import make_tokenizer
 
@@ -47,31 +47,46 @@ def _eval_fn(graphdef):
     return _EVAL_FNS[graphdef]
 
 
+def _check_at_least_one(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}: expected an int >= 1 or None, got {value!r}")
+
+
+def eval_batch_size(cfg: Config, batch_size: int | None = None) -> int:
+    """The global batch an evaluation uses: ``batch_size`` (default: training's), rounded down
+    to a multiple of the devices it splits over (at least one row each)."""
+    _check_at_least_one("batch_size", batch_size)
+    n_dev = sharding_lib.batch_divisor(sharding_lib.make_mesh(cfg.mesh))
+    batch_size = batch_size or cfg.train.batch_size
+    return max(n_dev, batch_size - batch_size % n_dev)
+
+
 def evaluate_model(model: nnx.Module, cfg: Config, *, split: str | None = None,
                    seq_len: int | None = None, max_batches: int | None = None,
-                   batch_size: int | None = None) -> dict[str, Any]:
+                   batch_size: int | None = None,
+                   should_stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
     """Mean loss (nats/token), perplexity, bits per byte and max |logit| stats over a split.
 
     seq_len may differ from training (length generalisation); the whole split is read once,
-    in order, unless ``max_batches`` caps it.
+    in order, unless ``max_batches`` caps it (the training run's evals read the first
+    ``train.eval_batches``). ``should_stop``: checked before each batch; once it returns True
+    the evaluation ends and returns None.
     """
+    for name, value in (("seq_len", seq_len), ("max_batches", max_batches)):
+        _check_at_least_one(name, value)
     split = split or cfg.data.eval_split
     seq_len = seq_len or cfg.data.seq_len
-    if max_batches is not None and max_batches < 1:
-        raise ValueError(f"max_batches: expected an int >= 1 or None, got {max_batches}")
     if cfg.model.pos_embedding == "learned" and seq_len > cfg.model.max_seq_len:
         raise ValueError(
             f"seq_len: expected <= model.max_seq_len={cfg.model.max_seq_len} (learned positions "
             f"cannot extrapolate), got {seq_len}")
     n_proc = jax.process_count()
     mesh = sharding_lib.make_mesh(cfg.mesh)
-    n_dev = sharding_lib.batch_divisor(mesh)  # the batch splits over the data axes
     if n_proc > 1 and max_batches is None:
         # unshuffled single-epoch shards can hold different numbers of batches; every process
         # must run the same number of (collective) steps
         raise ValueError(f"max_batches: expected an int with {n_proc} processes, got None")
-    batch_size = batch_size or cfg.train.batch_size
-    batch_size = max(n_dev, batch_size - batch_size % n_dev)
+    batch_size = eval_batch_size(cfg, batch_size)
     dcfg = dataclasses.replace(cfg.data, seq_len=seq_len)
     tokenizer = make_tokenizer(dcfg.tokenizer)
     byte_lengths = jnp.asarray(np.pad(tokenizer.token_byte_lengths(),
@@ -87,6 +102,8 @@ def evaluate_model(model: nnx.Module, cfg: Config, *, split: str | None = None,
     data_iter = iter(dataset)
     try:
         for batch in data_iter:
+            if should_stop is not None and should_stop():
+                return None
             batch = sharding_lib.global_batch(batch, sharding)
             with jax.set_mesh(mesh):
                 out = jax.device_get(fn(state, batch, byte_lengths))
@@ -109,6 +126,8 @@ def evaluate_model(model: nnx.Module, cfg: Config, *, split: str | None = None,
     return {
         "split": split,
         "seq_len": seq_len,
+        "batch_size": batch_size,
+        "max_batches": max_batches,
         "batches": n_batches,
         "tokens": int(totals["tokens"]),
         "loss": loss,
@@ -142,24 +161,28 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, split: str | N
     """Restores the parameters of ``step`` (default: latest) of the run in ``workdir`` (not the
     optimizer state) and evaluates them, with ``eval_config`` overrides applied.
 
-    Writes the result as JSON to ``output`` (default ``RunDir.eval_path``:
-    ``<workdir>/eval_step<step>_<split>_T<seq_len>.json``). If that cannot be written, the
-    result has ``output=None`` and ``output_error`` says why.
+    Writes the result as JSON to ``output`` (default ``RunDir.eval_path``, one name per
+    evaluation: ``<workdir>/eval_step<S>_<split>_T<T>_B<B>_<all|first<K>>[_o<hash>].json``).
+    If it cannot be written, the result has ``output=None`` and ``output_error`` says why.
     """
+    for name, value in (("seq_len", seq_len), ("max_batches", max_batches),
+                        ("batch_size", batch_size)):
+        _check_at_least_one(name, value)
     run = RunDir(workdir)
     cfg, step, model = restore_model(run, step, eval_config(run.load_config(), overrides))
+    split = split or cfg.data.eval_split
+    seq_len = seq_len or cfg.data.seq_len
+    batch_size = eval_batch_size(cfg, batch_size)
+    output = output or run.eval_path(step, split, seq_len, batch_size, max_batches, overrides)
     result = {"workdir": os.path.abspath(workdir), "step": step, "config": cfg.name,
               "overrides": list(overrides),
               **evaluate_model(model, cfg, split=split, seq_len=seq_len, max_batches=max_batches,
                                batch_size=batch_size)}
-    output = output or run.eval_path(step, result["split"], result["seq_len"])
     try:
-        with open(output, "w") as f:
-            json.dump(result, f, indent=2)
+        write_atomically(output, json.dumps(result, indent=2))
     except OSError as e:  # e.g. a read-only run directory: the numbers are still returned
         result["output"] = None
-        result["output_error"] = (f"output: could not write {output} ({e.strerror or e}); "
-                                  f"pass --output with a writable path")
+        result["output_error"] = f"output: {e}; or pass --output with a writable path"
         return result
     result["output"] = output
     return result

@@ -191,6 +191,11 @@ def check_lengths(cfg, prompt_len: int, max_new_tokens: int, max_len: int | None
             or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     total = prompt_len + max_new_tokens
+    if cfg.pos_embedding == "learned" and prompt_len >= cfg.max_seq_len:
+        raise ValueError(
+            f"prompt: {prompt_len} tokens leave no room for a new one in model.max_seq_len="
+            f"{cfg.max_seq_len}, the learned position table (prompt and new tokens together); "
+            f"expected a prompt of at most {cfg.max_seq_len - 1} tokens")
     if cfg.pos_embedding == "learned" and total > cfg.max_seq_len:
         raise ValueError(
             f"max_new_tokens: prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) "

@@ -1,13 +1,23 @@
-"""Metric logging: the logit-norm collector's summaries, JSONL and TensorBoard event files."""
+"""Metric logging: the logit-norm collector's summaries, JSONL and TensorBoard event files, and
+where the libraries' own log records go.
+
+Both logs are append-only; a write cut short (a full disk, a kill) can leave a partial last
+record, which a resumed run removes (one warning line) before it appends.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-from typing import Any
+import struct
+import sys
+from typing import Any, Callable
 
 import numpy as np
+
+from ls_jax.rundir import write_failed
 
 
 def logit_norm_summary(attn_max_abs_logit_LxH, lm_head_max_abs_logit) -> dict[str, Any]:
@@ -40,10 +50,47 @@ def _scalars(metrics: dict[str, Any]):
 
 
 def read_jsonl(path: str) -> list[dict]:
+    """The records of a JSONL log; a partial last record (a cut-short append) is left out. A
+    damaged record before the last raises ValueError naming the file and line."""
+    return _read_jsonl(path)[0]
+
+
+def _read_jsonl(path: str) -> tuple[list[dict], int]:
+    """(records, bytes of a partial last record, 0 if none)."""
     if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [], 0
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError as e:
+            if i == len(lines) - 1:  # no newline after it: an append that did not finish
+                return records, len(line)
+            raise ValueError(f"metrics: line {i + 1} of {path} is not a JSON record ({e}); "
+                             f"restore the file or delete that line") from None
+    return records, 0
+
+
+def _repair_event_file(path: str) -> int:
+    """Cuts a TensorBoard event file (TFRecord framing: length, its CRC, data, data CRC) after
+    its last whole record; returns the bytes removed."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        data = f.read()
+    pos = 0
+    while pos + 12 <= size:
+        (length,) = struct.unpack("<Q", data[pos:pos + 8])
+        if pos + 12 + length + 4 > size:
+            break
+        pos += 12 + length + 4
+    if pos < size:
+        os.truncate(path, pos)
+    return size - pos
 
 
 class MetricsWriter:
@@ -53,33 +100,61 @@ class MetricsWriter:
 
     ``resume_step``: records of steps after it (logged by a run that was killed before its next
     checkpoint) are dropped (in the JSONL file and TensorBoard alike; those of ``resume_step``
-    itself stay), so a resumed run does not log those steps twice. Without it, an
-    existing log is moved aside to ``<path>.old`` (a fresh run keeps, but does not mix, old logs).
+    itself stay), so a resumed run does not log those steps twice; a partial last record in
+    either is removed, with one ``warn`` line. Without it, an existing log is moved aside to
+    ``<path>.old`` (a fresh run keeps, but does not mix, old logs).
+
+    A failed write (a full disk) raises ``WriteFailed`` naming the file.
     """
 
     def __init__(self, path: str, *, tensorboard_dir: str | None = None,
-                 resume_step: int | None = None, enabled: bool = True):
+                 resume_step: int | None = None, enabled: bool = True,
+                 warn: Callable[[str], None] = print):
         self.path = path
         self.enabled = enabled
         self._tb = None
+        self._tb_dir = tensorboard_dir
         if not enabled:
             return
         self.records: list[dict] = []  # the records kept from an earlier run (on resume)
-        if resume_step is not None and os.path.exists(self.path):
-            kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= resume_step]
-            self.records = kept
-            tmp = self.path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
-            os.replace(tmp, self.path)
-        elif resume_step is None and os.path.exists(self.path):
-            os.replace(self.path, self.path + ".old")
-        self._file = open(self.path, "a")
+        try:
+            if resume_step is not None:
+                self._repair(resume_step, warn)
+            elif os.path.exists(self.path):
+                os.replace(self.path, self.path + ".old")
+            self._file = open(self.path, "a")
+        except OSError as e:
+            raise write_failed(self.path, e) from e
         if tensorboard_dir is not None:
             from tensorboardX import SummaryWriter
             # events after the resumed step are dropped; the resumed step's own are kept
             purge = None if resume_step is None else resume_step + 1
-            self._tb = SummaryWriter(tensorboard_dir, purge_step=purge)
+            try:
+                self._tb = SummaryWriter(tensorboard_dir, purge_step=purge)
+            except OSError as e:
+                raise write_failed(tensorboard_dir, e) from e
+
+    def _repair(self, resume_step: int, warn) -> None:
+        """Keeps the records up to ``resume_step``; removes partial last records."""
+        torn = []
+        if os.path.exists(self.path):
+            records, partial = _read_jsonl(self.path)
+            self.records = [r for r in records if r.get("step", 0) <= resume_step]
+            if partial:
+                torn.append(f"{self.path} ({partial} bytes)")
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in self.records)
+            os.replace(tmp, self.path)
+        if self._tb_dir is not None and os.path.isdir(self._tb_dir):
+            for name in sorted(os.listdir(self._tb_dir)):
+                events = os.path.join(self._tb_dir, name)
+                if name.startswith("events.out.tfevents") and os.path.isfile(events):
+                    if removed := _repair_event_file(events):
+                        torn.append(f"{events} ({removed} bytes)")
+        if torn:
+            warn(f"warning: removed the partial last record of {' and '.join(torn)}, left by "
+                 f"a write that did not finish")
 
     def has_record(self, step: int, key: str) -> bool:
         """Whether a kept record of ``step`` holds ``key`` (e.g. a finished run's final eval)."""
@@ -89,17 +164,84 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = {"step": int(step), **{prefix + k: v for k, v in metrics.items()}}
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record, allow_nan=True) + "\n")
+            self._file.flush()
+        except OSError as e:
+            raise write_failed(self.path, e) from e
         if self._tb is not None:
             for tag, value in _scalars(metrics):
                 if math.isfinite(value):
                     self._tb.add_scalar(prefix + tag, value, step)
-            self._tb.flush()
+            try:
+                self._tb.flush()
+            except OSError as e:
+                raise write_failed(self._events_file(), e) from e
+
+    def _events_file(self) -> str:
+        """The events file this writer appends to: the newest in its directory."""
+        names = [n for n in os.listdir(self._tb_dir) if n.startswith("events.out.tfevents")]
+        paths = [os.path.join(self._tb_dir, n) for n in names]
+        return max(paths, key=os.path.getmtime) if paths else self._tb_dir
 
     def close(self) -> None:
+        """Closes both logs; a write that fails here (the disk filled up) is not raised again:
+        the error that stopped the run was raised already, and a resume repairs the logs."""
         if not self.enabled:
             return
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for closing in (self._file, self._tb):
+            if closing is not None:
+                try:
+                    closing.close()
+                except OSError:
+                    pass
+
+
+# -- the libraries' log records ----------------------------------------------------------------
+
+class _NoTraceback(logging.Filter):
+    """Drops a record's traceback (its own line stays)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+def send_library_logs_to(path: str | None, *, echo: bool = False) -> str | None:
+    """Routes the Python log records of the libraries (orbax and grain through absl, asyncio,
+    jax, Python warnings) to the file ``path`` (appended; its directory is made) instead of the
+    terminal: a failed save or a damaged checkpoint leaves its tracebacks there. ``echo``
+    (``--debug``) also shows them on stderr. Returns ``path``, or None when there is none or it
+    cannot be opened (the records then stay on stderr, one line each, without tracebacks).
+    Calling it again replaces the routing.
+
+    A record that cannot be written (a full disk) is dropped, never reported on stderr.
+    """
+    root = logging.getLogger()
+    for h in list(root.handlers):  # a library's logging.basicConfig(), or an earlier call
+        if type(h) is logging.StreamHandler or getattr(h, "_ls_jax", False):
+            root.removeHandler(h)
+            if isinstance(h, logging.FileHandler):
+                h.close()
+    handlers: list[logging.Handler] = []
+    written = None
+    if path is not None:
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            handlers.append(logging.FileHandler(path))
+            written = path
+        except OSError:
+            pass
+    if echo or written is None:
+        handlers.append(logging.StreamHandler(sys.stderr))
+        if not echo:
+            handlers[-1].addFilter(_NoTraceback())
+    for h in handlers:
+        h._ls_jax = True
+        h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root.addHandler(h)
+    if root.level == logging.NOTSET or root.level > logging.WARNING:
+        root.setLevel(logging.WARNING)
+    logging.captureWarnings(True)
+    logging.raiseExceptions = echo
+    return written

@@ -8,8 +8,10 @@ Layout of ``<workdir>`` (``train.py --workdir``, ``eval.py --checkpoint``)::
     metrics.jsonl.old                 the log of an earlier run that was started over
     tensorboard/                      the same numbers as TensorBoard event files
     tensorboard/plugins/profile/      JAX profiler traces of train.profile_steps (ls_jax.profiler)
-    eval_step<S>_<split>_T<T>.json    eval.py's results
+    eval_step<S>_<split>_T<T>_B<B>_<all|first<K>>[_o<hash>].json   eval.py's results, one file
+                                      per evaluation (<hash>: of its overrides)
     status.json                       the state of a run driven by an experiment
+    library.log                       the log records of the libraries (orbax, grain, asyncio, jax)
     .lock                             held (flock) by the training run using the directory
     damaged_checkpoints/<step>/       checkpoints that failed verification, moved aside (kept)
 
@@ -19,7 +21,9 @@ Every other module asks a ``RunDir`` for these paths instead of joining names it
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import hashlib
 import json
 import os
 from typing import Any, Callable, Iterator
@@ -33,6 +37,7 @@ TENSORBOARD_SUBDIR = "tensorboard"
 STATUS_FILE = "status.json"
 LOCK_FILE = ".lock"
 DAMAGED_SUBDIR = "damaged_checkpoints"
+LIBRARY_LOG_FILE = "library.log"
 
 # Fields that do not change what a run computes: they may change when a run resumes (each
 # change is logged). Every other field fixes the run's identity. (num_steps is here so a run can
@@ -47,11 +52,44 @@ class WorkdirLocked(RuntimeError):
     """Another live process is training in the same run directory."""
 
 
-def _write_atomically(path: str, text: str) -> None:
+class WriteFailed(OSError):
+    """A file of the run could not be written (a full disk, permissions); the message names the
+    file and what to do."""
+
+
+_REMEDY = {
+    errno.ENOSPC: "free space on its disk",
+    errno.EDQUOT: "free space within your disk quota",
+    errno.EFBIG: "raise the file-size limit (ulimit -f)",
+    errno.EACCES: "make it writable",
+    errno.EPERM: "make it writable",
+    errno.EROFS: "use a writable filesystem",
+}
+
+
+def remedy(err: int | None) -> str:
+    """What to do about a failed write with errno ``err``."""
+    return _REMEDY.get(err, "fix the cause")
+
+
+def write_failed(path: str, e: OSError) -> WriteFailed:
+    """The one-line error for a failed write of ``path``: the file, the cause, what to do."""
+    return WriteFailed(f"could not write {path} ({e.strerror or e}); {remedy(e.errno)}, then "
+                       f"rerun the same command")
+
+
+def write_atomically(path: str, text: str) -> None:
+    """``path`` holds ``text`` or what it held before, never a part (a temporary file, renamed);
+    a failed write raises ``WriteFailed`` and leaves no temporary file."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise write_failed(path, e) from e
 
 
 class RunDir:
@@ -93,8 +131,29 @@ class RunDir:
     def damaged_checkpoint_dir(self) -> str:
         return os.path.join(os.path.abspath(self.path), DAMAGED_SUBDIR)
 
-    def eval_path(self, step: int, split: str, seq_len: int) -> str:
-        return os.path.join(self.path, f"eval_step{step}_{split}_T{seq_len}.json")
+    def checkpoint_steps(self) -> list[int]:
+        """The steps whose checkpoints are committed on disk (an unfinished save's directory
+        carries orbax's tmp suffix, never a bare step number)."""
+        root = self.checkpoint_dir
+        if not os.path.isdir(root):
+            return []
+        return sorted(int(n) for n in os.listdir(root)
+                      if n.isdigit() and os.path.isdir(os.path.join(root, n)))
+
+    @property
+    def library_log_path(self) -> str:
+        return os.path.join(self.path, LIBRARY_LOG_FILE)
+
+    def eval_path(self, step: int, split: str, seq_len: int, batch_size: int,
+                  max_batches: int | None, overrides: list[str] | tuple[str, ...] = ()) -> str:
+        """One name per evaluation: what decides its numbers (the step, split, length, batch
+        size, how many batches, and the overrides, as a short hash) is in the name, so no
+        evaluation overwrites another."""
+        batches = "all" if max_batches is None else f"first{max_batches}"
+        name = f"eval_step{step}_{split}_T{seq_len}_B{batch_size}_{batches}"
+        if overrides:
+            name += "_o" + hashlib.sha256(json.dumps(list(overrides)).encode()).hexdigest()[:8]
+        return os.path.join(self.path, name + ".json")
 
     # -- config.json: the run's identity ---------------------------------------------------------
     def check_config(self, cfg: Config, log: Callable[[str], None] = print) -> None:
@@ -137,7 +196,7 @@ class RunDir:
             with open(self.config_path) as f:
                 if f.read() == text:
                     return
-        _write_atomically(self.config_path, text)
+        write_atomically(self.config_path, text)
 
     def write_or_check_config(self, cfg: Config, log: Callable[[str], None] = print) -> None:
         """``check_config`` then ``write_config``."""
@@ -203,4 +262,4 @@ class RunDir:
 
     def write_status(self, status: dict[str, Any]) -> None:
         os.makedirs(self.path, exist_ok=True)
-        _write_atomically(self.status_path, json.dumps(status, indent=2))
+        write_atomically(self.status_path, json.dumps(status, indent=2))

@@ -2,8 +2,9 @@
 
 The run directory gives the config (``config.json``) and with it the tokenizer; only the model
 parameters are read from the checkpoint (the optimizer state stays on disk). Prints the
-prompt and its continuation, then the token counts and tokens/s. Bad input: one line on
-stderr, exit status 2.
+prompt and its continuation, then the token counts and tokens/s. Without
+``--max-new-tokens``, up to ``DEFAULT_NEW_TOKENS``, as many as fit after the prompt in a
+model with learned positions. Bad input: one line on stderr, exit status 2.
 """
 
 from __future__ import annotations
@@ -12,6 +13,15 @@ import argparse
 import sys
 
 _DTYPES = ("bfloat16", "float32")
+DEFAULT_NEW_TOKENS = 200
+
+
+def default_new_tokens(model_cfg, prompt_len: int) -> int:
+    """``DEFAULT_NEW_TOKENS``, or fewer where learned positions leave less room after the
+    prompt (a prompt that fills the table is left for ``generate`` to refuse)."""
+    if model_cfg.pos_embedding != "learned":
+        return DEFAULT_NEW_TOKENS
+    return max(1, min(DEFAULT_NEW_TOKENS, model_cfg.max_seq_len - prompt_len))
 
 
 def load_model(workdir: str, step: int | None = None):
@@ -30,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         description="Generate text with a model trained by train.py (KV-cache decoding).")
     parser.add_argument("--checkpoint", required=True, help="the run directory (train --workdir)")
     parser.add_argument("--prompt", required=True, help="the text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help=f"default: {DEFAULT_NEW_TOKENS}, or as many as fit after the prompt "
+                             f"(learned positions: model.max_seq_len)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=None)
@@ -58,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         if prompt_ids.size == 0:
             raise ValueError(f"--prompt: {args.prompt!r} encodes to no tokens")
         model, cfg, step = load_model(args.checkpoint, args.step)
+        max_new = args.max_new_tokens
+        if max_new is None:
+            max_new = default_new_tokens(cfg.model, len(prompt_ids))
         result = generate(
-            model, prompt_ids, max_new_tokens=args.max_new_tokens,
+            model, prompt_ids, max_new_tokens=max_new,
             temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
             end_id=None if args.no_stop else tokenizer.eos_id, chunk_size=args.chunk_size,
             cache_dtype=jnp.dtype(args.cache_dtype))

@@ -10,7 +10,8 @@
   imported only here, so the other sources work without it.
 
 The local sources split their files into "train" and "validation" by a stable hash of the
-relative path (validation when ``hash % 100 < validation_percent``). A ``text:`` glob that
+relative path (validation when ``hash % 100 < validation_percent``). A ``text:`` file that
+looks binary (a NUL byte in its first ``BINARY_SNIFF_BYTES``) is refused by name. A ``text:`` glob that
 matches a single file is split by position instead: its last ``validation_percent`` % of bytes
 (from the next line start) are the validation document, the rest the training document. A
 split whose files are all empty is an error.
@@ -34,6 +35,7 @@ import numpy as np
 from ls_jax.config import DataConfig
 
 LOCAL_SPLITS = ("train", "validation")
+BINARY_SNIFF_BYTES = 8192  # text (UTF-8) never holds a NUL byte; executables, archives, images do
 _EXCLUDED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _SOURCE_FORMS = "'stdlib', 'text:<glob>' or 'tfds:<name>[:<config>]'"
 
@@ -200,11 +202,21 @@ def _text_documents(source: str, split: str, validation_percent: int):
     files = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
     if not files:
         raise FileNotFoundError(f"source: no files match the glob {pattern!r} (source {source!r})")
+    for f in files:
+        _check_text(source, f)
     if len(files) == 1:
         return _split_one_file(source, files[0], split, validation_percent)
     root = _glob_root(pattern)
     relative_paths = sorted(pathlib.Path(os.path.relpath(f, root)).as_posix() for f in files)
     return _split_files(source, root, relative_paths, split, validation_percent)
+
+
+def _check_text(source: str, path: str) -> None:
+    with open(path, "rb") as f:
+        head = f.read(BINARY_SNIFF_BYTES)
+    if b"\0" in head:
+        raise ValueError(f"source: {path} (matched by {source!r}) looks binary (a NUL byte in "
+                         f"its first {len(head)} bytes); expected text files: narrow the glob")
 
 
 def _split_names(split: str) -> list[str]:

@@ -3,8 +3,14 @@ evaluation, orbax checkpoints, automatic resume, SIGTERM handling and NaN stops.
 
 ``train(cfg, workdir)`` is what ``train.py`` runs; tests call it directly. It reads as its
 steps: check the config, claim the run directory, restore or initialise the state, run the
-step loop (each step's metrics checked and logged, checkpoints saved, periodic evals), and a
-final eval.
+step loop (each step's metrics checked and logged, checkpoints saved, periodic evals), commit
+the last checkpoint, and a final eval.
+
+SIGTERM and SIGINT (Ctrl-C) ask for a stop throughout (``_Stopper``): during start-up the run
+stops before its first step, in the loop after the current step (saved first), in the final
+eval at once (its checkpoint is committed before the eval starts); each ends with one line and
+returns normally. A second signal stops at once (``Interrupted``), except while a checkpoint is
+being written, which it waits for.
 """
 
 from __future__ import annotations
@@ -44,6 +50,14 @@ class TrainingDiverged(RuntimeError):
     """Raised when a step produced a non-finite loss or gradient norm."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """A second signal stopped the run at once: the message names the last checkpoint."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
 @dataclasses.dataclass
 class TrainResult:
     workdir: str
@@ -53,6 +67,7 @@ class TrainResult:
     last_metrics: dict[str, Any]
     eval_metrics: dict[str, Any] | None
     interrupted: bool = False
+    stop: str | None = None  # when interrupted: the line that said why and what is saved
 
 
 # -- the step ---------------------------------------------------------------------------------
@@ -118,52 +133,98 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
     stop_at_time: likewise, stop at the first step boundary after this ``time.time()``.
 
     The run holds the workdir's lock (``RunDir.lock``) throughout; ``config.json`` is written
-    only once the config, both data splits and the checkpoint passed their checks.
+    only once the config, both data splits and the checkpoint passed their checks. A stop
+    (signal, step count, time) returns ``interrupted=True`` with its line in ``stop`` (also
+    logged); a second signal raises ``Interrupted``.
     """
-    mesh = sharding_lib.make_mesh(cfg.mesh)
-    check_train_config(cfg, mesh)
-    is_main = jax.process_index() == 0
-    with RunDir(workdir).lock() if is_main else contextlib.nullcontext():
-        return _train(cfg, mesh, workdir, stop_after_steps, stop_at_time, log)
+    with _Stopper(stop_after_steps, stop_at_time) as stopper:
+        try:
+            mesh = sharding_lib.make_mesh(cfg.mesh)
+            check_train_config(cfg, mesh)
+            is_main = jax.process_index() == 0
+            with RunDir(workdir).lock() if is_main else contextlib.nullcontext():
+                return _train(cfg, mesh, workdir, stopper, log)
+        except KeyboardInterrupt as e:
+            if isinstance(e, Interrupted) or stopper.signum is None:
+                raise
+            steps = RunDir(workdir).checkpoint_steps()
+            last = (f"the last checkpoint is step {steps[-1]} in {RunDir(workdir).checkpoint_dir}"
+                    if steps else "there is no checkpoint yet")
+            raise Interrupted(f"stopped at once by a second {stopper.signal_name} (nothing more "
+                              f"was saved); {last}; rerun the same command to resume",
+                              stopper.signum) from None
 
 
-def _train(cfg: Config, mesh, workdir: str, stop_after_steps, stop_at_time, log) -> TrainResult:
+def _train(cfg: Config, mesh, workdir: str, stopper: "_Stopper", log) -> TrainResult:
     run = RunDir(workdir)
     is_main = jax.process_index() == 0
+    say = log if is_main else (lambda _m: None)
     if is_main:
         run.check_config(cfg, log)
     _check_eval_split(cfg)
+    if why := stopper.at_startup():
+        return _stopped_before_start(workdir, run.checkpoint_steps(), why, say)
     with jax.set_mesh(mesh):
         ckpt = Checkpointer(run, keep=cfg.train.keep_checkpoints,
                             async_save=cfg.train.async_checkpoints)
         step_log = data = None
         profiler = StepProfiler(cfg.train.profile_range, run.tensorboard_dir, log)
+        finished = False
         try:
             fns = compile_train_fns(cfg, mesh)
             graphdef, state, start_step, data = _restore_or_init(cfg, mesh, fns, ckpt, log)
+            if why := stopper.at_startup():
+                finished = True
+                return _stopped_before_start(workdir, run.checkpoint_steps(), why, say)
             if is_main:
                 run.write_config(cfg)
             step_log = _StepLog(cfg, run, start_step, log, enabled=is_main)
-            with _Stopper(stop_after_steps, stop_at_time) as stopper:
-                state, final_step, interrupted = _step_loop(
-                    cfg, mesh, fns, state, start_step, data, ckpt, step_log, stopper,
-                    profiler, log)
-            eval_metrics = None
-            if final_step == cfg.train.num_steps and not interrupted and step_log.finished_before():
-                log(f"the run already finished at step {final_step} (its final eval is in "
+            state, final_step, why_stop = _step_loop(
+                cfg, mesh, fns, state, start_step, data, ckpt, step_log, stopper, profiler, log)
+            eval_metrics, stop = None, None
+            if why_stop is not None:
+                stop = (f"stopped at step {final_step} ({why_stop}); checkpoint step {final_step} "
+                        f"is saved in {ckpt.directory}; rerun the same command to resume")
+            elif step_log.finished_before():
+                step_log.close_progress()
+                say(f"the run already finished at step {final_step} (its final eval is in "
                     f"{run.metrics_path}); nothing to do")
-            elif final_step == cfg.train.num_steps and not interrupted:
-                eval_metrics = _final_eval(cfg, graphdef, state, final_step, step_log, log)
+            else:
+                eval_metrics = _final_eval(cfg, graphdef, state, final_step, step_log, stopper)
+                if eval_metrics is None:
+                    stop = (f"stopped during the final eval ({stopper.signal_name}); checkpoint "
+                            f"step {final_step} is saved in {ckpt.directory}; rerun the same "
+                            f"command to run the final eval")
+            if stop is not None:
+                step_log.close_progress()
+                say(stop)
+            finished = True
         finally:
             profiler.close()
             if step_log is not None:
                 step_log.close()
-            ckpt.close()
             if data is not None:
                 data.close()
+            try:
+                with stopper.commit():  # a pending save is finished, not cut short
+                    ckpt.close()
+            except CheckpointError:
+                if finished:
+                    raise  # else the error that ended the run is the one to report
     return TrainResult(workdir=workdir, start_step=start_step, final_step=final_step,
                        losses=step_log.losses, last_metrics=step_log.last_metrics,
-                       eval_metrics=eval_metrics, interrupted=interrupted)
+                       eval_metrics=eval_metrics, interrupted=stop is not None, stop=stop)
+
+
+def _stopped_before_start(workdir: str, saved: list[int], why: str, say) -> TrainResult:
+    """A stop during start-up: no step ran, so nothing new needs saving."""
+    start = saved[-1] if saved else 0
+    latest = f" (the latest checkpoint is step {start})" if saved else ""
+    stop = (f"stopped before step {start + 1} ({why}, during start-up): nothing new to "
+            f"save{latest}; rerun the same command to resume")
+    say(stop)
+    return TrainResult(workdir=workdir, start_step=start, final_step=start, losses={},
+                       last_metrics={}, eval_metrics=None, interrupted=True, stop=stop)
 
 
 def check_train_config(cfg: Config, mesh: jax.sharding.Mesh) -> None:
@@ -319,10 +380,19 @@ def _restarted_data(cfg: Config, step: int, layout: DataLayout, log) -> _TrainDa
 def _step_loop(cfg: Config, mesh, fns: TrainFns, state, start_step: int, data: _TrainData,
                ckpt: Checkpointer, step_log: "_StepLog", stopper: "_Stopper",
                profiler: StepProfiler, log):
-    """Runs steps until num_steps or a stop; returns (state, final step, interrupted)."""
+    """Runs steps until num_steps or a stop; returns (state, final step, why it stopped early
+    or None). Every checkpoint it saved is committed when it returns (each one's "saved" line
+    follows its commit); a save that failed raises ``CheckpointError`` at the step after orbax
+    gave up on it."""
     tcfg = cfg.train
     graphdef, data_sharding = fns.graphdef, sharding_lib.batch_sharding(mesh)
     step, why_stop = start_step, None
+
+    def say_committed(steps):
+        for s in steps:
+            step_log.last_saved = s
+            step_log.say(f"checkpoint: step {s} saved to {ckpt.directory}")
+
     while step < tcfg.num_steps and why_stop is None:
         batch = sharding_lib.global_batch(next(data.iterator), data_sharding)
         profiler.before_step(step + 1)
@@ -330,46 +400,55 @@ def _step_loop(cfg: Config, mesh, fns: TrainFns, state, start_step: int, data: _
         step += 1
         profiler.after_step(step, dev_metrics)
         step_log.record(step, dev_metrics)
-        ckpt.check_for_errors()  # an async save that failed stops the run here
+        with stopper.commit():
+            say_committed(ckpt.poll())  # a background save that failed stops the run here
         why_stop = stopper.after_step()
         at_eval = tcfg.eval_every and step % tcfg.eval_every == 0
         save_now = step % tcfg.save_every == 0 or step == tcfg.num_steps or why_stop is not None
         if save_now or at_eval:
             step_log.flush()  # check this step's loss before saving it
         if save_now:
-            ckpt.save(step, state, data.iterator, data.seed)
-            step_log.last_saved = step
-            step_log.say(f"checkpoint: step {step} saved to {ckpt.directory}")
+            with stopper.commit():
+                ckpt.save(step, state, data.iterator, data.seed)
+                say_committed(ckpt.poll())
         if at_eval and step != tcfg.num_steps:
             step_log.write_eval(step, _evaluate(cfg, graphdef, state))
-        if why_stop is not None:
-            step_log.say(f"stopping at step {step} ({why_stop}); checkpoint saved")
     step_log.flush()
-    return state, step, why_stop is not None
+    with stopper.commit():
+        say_committed(ckpt.wait())  # the last save, committed before the final eval
+    return state, step, why_stop
 
 
-def _evaluate(cfg: Config, graphdef, state) -> dict[str, Any]:
+def _evaluate(cfg: Config, graphdef, state, should_stop=None) -> dict[str, Any] | None:
     model = nnx.merge(graphdef, state)[0]
-    return evaluate_model(model, cfg, max_batches=cfg.train.eval_batches)
+    return evaluate_model(model, cfg, max_batches=cfg.train.eval_batches, should_stop=should_stop)
 
 
-def _final_eval(cfg: Config, graphdef, state, step: int, step_log: "_StepLog", log):
-    metrics = _evaluate(cfg, graphdef, state)
+def _final_eval(cfg: Config, graphdef, state, step: int, step_log: "_StepLog",
+                stopper: "_Stopper") -> dict[str, Any] | None:
+    """The final eval's metrics, logged; None if a signal stopped it (a single process stops
+    at once; several finish it, since each batch is a collective)."""
+    should_stop = stopper.requested if jax.process_count() == 1 else None
+    metrics = _evaluate(cfg, graphdef, state, should_stop)
+    if metrics is None:
+        return None
     step_log.write_eval(step, metrics)
     step_log.close_progress()  # the eval line below starts on a line of its own
-    log(f"final eval ({cfg.data.eval_split}): loss {metrics['loss']:.4f} "
-        f"ppl {metrics['perplexity']:.2f} bpb {metrics['bits_per_byte']:.4f}")
+    step_log.say(f"final eval ({cfg.data.eval_split}): loss {metrics['loss']:.4f} "
+                 f"ppl {metrics['perplexity']:.2f} bpb {metrics['bits_per_byte']:.4f}")
     return metrics
 
 
 # -- stopping and logging ---------------------------------------------------------------------
 
 class _Stopper:
-    """Why to stop early, checked after every step: SIGTERM or SIGINT (Ctrl-C), a step count,
-    a wall-clock time.
+    """Why to stop early: SIGTERM or SIGINT (Ctrl-C), a step count, a wall-clock time. Its
+    handlers cover the whole run.
 
-    The loop then checkpoints and returns; the same call again resumes. A second signal before
-    that stops at once (KeyboardInterrupt), without saving.
+    A first signal only asks: the run stops at the next point where nothing is lost (a
+    start-up check, the end of a step, a batch of the final eval). A second signal raises
+    KeyboardInterrupt at once, except inside ``commit()`` (a checkpoint being written or
+    verified), whose end it waits for.
     """
 
     def __init__(self, after_steps: int | None, at_time: float | None):
@@ -377,6 +456,8 @@ class _Stopper:
         self.signum = None
         self._ran = 0
         self._old = {}
+        self._committing = 0
+        self._deferred = False  # a second signal arrived inside commit()
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -387,13 +468,43 @@ class _Stopper:
         return self
 
     def _handle(self, signum, frame):
-        if self.signum is not None:  # the second signal: stop now
+        if self.signum is None:
+            self.signum = signum
+        elif self._committing:
+            self._deferred = True
+        else:
             raise KeyboardInterrupt
-        self.signum = signum
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+
+    @contextlib.contextmanager
+    def commit(self):
+        """A block a second signal does not cut short (it acts at the block's end)."""
+        self._committing += 1
+        try:
+            yield
+        finally:
+            self._committing -= 1
+        if self._deferred and not self._committing:
+            self._deferred = False
+            raise KeyboardInterrupt
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else "no signal"
+
+    def requested(self) -> bool:
+        """Whether a signal asked for a stop."""
+        return self.signum is not None
+
+    def at_startup(self) -> str | None:
+        """The signal that asked for a stop before the first step, or None. With several
+        processes None: they stop together after the first step (``after_step``)."""
+        if self.signum is None or jax.process_count() > 1:
+            return None
+        return self.signal_name
 
     def after_step(self) -> str | None:
         """The reason to stop now, or None. With several processes they agree: a SIGTERM
@@ -407,7 +518,7 @@ class _Stopper:
     def _local_reason(self) -> str | None:
         self._ran += 1
         if self.signum is not None:
-            return f"signal {self.signum}"
+            return self.signal_name
         if self.after_steps is not None and self._ran >= self.after_steps:
             return f"stop_after_steps={self.after_steps}"
         if self.at_time is not None and time.time() >= self.at_time:
@@ -425,7 +536,7 @@ class _StepLog:
         self.tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
         self.log, self.enabled = log, enabled
         self.writer = MetricsWriter(run.metrics_path, tensorboard_dir=run.tensorboard_dir,
-                                    resume_step=start_step or None, enabled=enabled)
+                                    resume_step=start_step or None, enabled=enabled, warn=log)
         self.progress = _progress_bar(cfg.train, start_step, enabled=enabled and cfg.train.progress)
         self.losses: dict[int, float] = {}
         self.last_metrics: dict[str, Any] = {}

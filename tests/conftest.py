@@ -4,10 +4,7 @@ and one XLA compilation cache for the test session."""
 import atexit
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
 
 # Many tests compile the same small programs (every train() call jits its init, steps and
 # eval afresh). JAX's persistent compilation cache, in a directory made for this test session
@@ -29,8 +26,6 @@ os.environ.setdefault("PJRT_NPROC", "8")
 import jax  # noqa: E402
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def pytest_collection_modifyitems(config, items):
     backend = jax.default_backend()
@@ -41,24 +36,3 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "tpu" in item.keywords and backend != "tpu":
             item.add_marker(skip_tpu)
-
-
-@pytest.fixture
-def signal_training_run():
-    """``run(workdir, overrides, sig, after_lines)``: starts ``train.py --config tiny`` as a
-    subprocess for a practically endless run, sends ``sig`` once metrics.jsonl has
-    ``after_lines`` lines, and returns (exit code, combined stdout/stderr)."""
-    def run(workdir, overrides, sig, after_lines):
-        cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", "tiny", "--workdir",
-               str(workdir), *overrides, "train.num_steps=100000", "train.save_every=100000"]
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
-        metrics = os.path.join(str(workdir), "metrics.jsonl")
-        deadline = time.time() + 120
-        while time.time() < deadline and not (
-                os.path.exists(metrics) and open(metrics).read().count("\n") >= after_lines):
-            time.sleep(0.2)
-        proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=120)
-        return proc.returncode, out
-    return run

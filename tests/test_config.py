@@ -57,6 +57,18 @@ def test_bad_overrides_raise_clear_errors(override, pattern):
         get_config("tiny", [override])
 
 
+@pytest.mark.parametrize("window", [256, 300])
+def test_a_local_window_as_long_as_the_sequence_is_refused(window):
+    """query i of a local head sees keys i-p < j <= i: with p >= T that is every earlier key, so
+    the head is global in all but name."""
+    with pytest.raises(ValueError, match=rf"model.window: expected < data.seq_len=256 \(the 3 "
+                                         rf"local head\(s\) .*, got {window}"):
+        get_config("tiny", [f"model.window={window}"])
+    get_config("tiny", ["model.window=255"])  # one key short of the sequence: still local
+    # no local heads (MHSA): the window is unused, so any value passes
+    get_config("tiny_mhsa", [f"model.window={window}"])
+
+
 def test_unknown_config_name():
     with pytest.raises(ValueError, match=r"config: expected one of .*'tiny'.*got 'huge'"):
         get_config("huge")

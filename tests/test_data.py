@@ -423,6 +423,24 @@ def test_a_single_file_is_split_by_position(tmp_path):
     assert sources.load_documents(f"text:{flat}", "validation", validation_percent=10)[0] == "ab" * 5
 
 
+@pytest.mark.parametrize("glob", ["one", "many"])
+def test_a_binary_file_in_a_text_source_is_refused_by_name(tmp_path, glob):
+    """An executable or archive matched by the glob: refused before training, by file name."""
+    binary = tmp_path / "tool.bin"
+    binary.write_bytes(b"\x7fELF\x02\x01\x01" + bytes(64) + b"code" * 100)
+    source = f"text:{binary}"
+    if glob == "many":
+        for i in range(5):
+            (tmp_path / f"doc{i}.txt").write_text("plain text\n" * 50)
+        source = f"text:{tmp_path}/*"
+    with pytest.raises(ValueError, match=f"source: {binary} .*looks binary"):
+        sources.load_documents(source, "train")
+    binary.unlink()
+    if glob == "many":  # the rest is text: accepted
+        assert len(sources.load_documents(source, "train")) + \
+            len(sources.load_documents(source, "validation")) == 5
+
+
 def test_empty_files_are_a_clear_error(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match="matches one file, .*empty.txt, and it is empty"):

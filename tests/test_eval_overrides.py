@@ -1,7 +1,9 @@
 """eval.py: section.key=value overrides that leave the model alone (a moved data path), model.*
-refused in one line, and only the parameters restored (the optimizer state stays on disk)."""
+refused in one line, only the parameters restored (the optimizer state stays on disk), values
+below 1 refused, one result file per evaluation."""
 
 import json
+import logging
 import os
 import shutil
 
@@ -23,6 +25,22 @@ MICRO = [
     "train.warmup_steps=1", "train.num_steps=2", "train.save_every=2", "train.eval_batches=1",
     "train.progress=false", "train.async_checkpoints=false",
 ]
+
+
+@pytest.fixture(autouse=True)
+def cli_logging():
+    """eval_main routes the libraries' log records (ls_jax.metrics.send_library_logs_to):
+    undone after each test."""
+    root = logging.getLogger()
+    handlers, raise_exceptions = list(root.handlers), logging.raiseExceptions
+    yield
+    for h in root.handlers[:]:
+        if h not in handlers:
+            root.removeHandler(h)
+            h.close()
+    root.handlers[:] = handlers
+    logging.raiseExceptions = raise_exceptions
+    logging.captureWarnings(False)
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +120,39 @@ def test_only_the_parameters_are_restored(run_on_moved_corpus, monkeypatch):
     on_disk = ocp.PyTreeCheckpointer().metadata(
         os.path.join(workdir, "checkpoints", "2", "state")).item_metadata.tree
     assert len(jax.tree.leaves(on_disk)) > 2 * len(model_leaves)
+
+
+@pytest.mark.parametrize("flag,value", [("--seq-len", "0"), ("--batch-size", "0"),
+                                        ("--batch-size", "-3"), ("--max-batches", "0"),
+                                        ("--seq-len", "ten")])
+def test_values_below_one_are_refused_in_one_line(run_on_moved_corpus, capsys, flag, value):
+    workdir, _ = run_on_moved_corpus
+    before = sorted(os.listdir(workdir))
+    with pytest.raises(SystemExit) as exit_:
+        eval_main(["--checkpoint", workdir, flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"error: argument {flag}: expected an int >= 1, got {value!r}\n"
+    assert sorted(os.listdir(workdir)) == before  # nothing evaluated or written
+
+
+def test_each_evaluation_keeps_its_own_results(run_on_moved_corpus, capsys):
+    """Another batch size, batch count or override: another file; the same evaluation again
+    rewrites its own file only."""
+    workdir, moved = run_on_moved_corpus
+    base = ["--checkpoint", workdir, "--split", "train"]
+    source = f"data.source=text:{moved}/*.txt"
+    paths = []
+    for extra in (["--max-batches", "1", "--batch-size", "2", source],
+                  ["--max-batches", "1", "--batch-size", "1", source],
+                  ["--max-batches", "2", "--batch-size", "1", source],
+                  ["--max-batches", "1", "--batch-size", "2", source,
+                   "model.attn_implementation=reference"],
+                  ["--max-batches", "1", "--batch-size", "2", source]):
+        assert eval_main(base + extra) == 0
+        (line,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith("written to")]
+        paths.append(line.removeprefix("written to "))
+    assert len(set(paths[:4])) == 4 and paths[4] == paths[0]
+    results = [json.load(open(p)) for p in paths[:4]]
+    assert [(r["batch_size"], r["max_batches"], r["batches"], len(r["overrides"]))
+            for r in results] == [(2, 1, 1, 1), (1, 1, 1, 1), (1, 2, 2, 1), (2, 1, 1, 2)]

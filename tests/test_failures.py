@@ -1,7 +1,11 @@
-"""Failure paths (issue 11): a failed start leaves no identity behind, the workdir lock, damaged
-checkpoints fall back, failed saves stop the run, TensorBoard keeps the resumed step, a finished
-run is not evaluated twice, one-line CLI errors, non-identity fields may change on resume."""
+"""Failure paths (issues 11 and 36): a failed start leaves no identity behind, the workdir lock,
+damaged checkpoints fall back quietly, failed saves stop the run within a step and never follow a
+"saved" line, TensorBoard keeps the resumed step, a finished run is not evaluated twice, one-line
+CLI errors, non-identity fields may change on resume, torn log records and full disks, and
+SIGTERM / SIGINT at every moment of a real train.py process."""
 
+import gc
+import logging
 import os
 import signal
 import struct
@@ -16,17 +20,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import ls_jax.metrics as metrics_lib
 import ls_jax.train as train_lib
 from ls_jax.checkpoint import CheckpointError, Checkpointer
 from ls_jax.configs import get_config
 from ls_jax.configs.cli import eval_main, train_main
-from ls_jax.metrics import read_jsonl
+from ls_jax.metrics import read_jsonl, send_library_logs_to
 from ls_jax.rundir import NON_IDENTITY_FIELDS, RunDir, WorkdirLocked
 from ls_jax.train import train
 
-from tests.test_train import MICRO, micro_config
+from tests.test_train import MICRO, micro_config, quiet
 
 GRAIN_HANDLER = grain.checkpoint.CheckpointSave  # registered with grain's CheckpointHandler
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = open(os.path.join(ROOT, "docs", "training.md")).read()
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -67,6 +74,22 @@ def tensorboard_scalars(tb_dir):
     for tag, step, value in events:
         out.setdefault(tag, {})[step] = value
     return out
+
+
+@pytest.fixture(autouse=True)
+def cli_logging():
+    """train_main / eval_main route the libraries' log records (send_library_logs_to): undone
+    after each test."""
+    root = logging.getLogger()
+    handlers, raise_exceptions = list(root.handlers), logging.raiseExceptions
+    yield
+    for h in root.handlers[:]:
+        if h not in handlers:
+            root.removeHandler(h)
+            h.close()
+    root.handlers[:] = handlers
+    logging.raiseExceptions = raise_exceptions
+    logging.captureWarnings(False)
 
 
 class FakeBar:
@@ -197,7 +220,7 @@ def test_a_damaged_latest_checkpoint_falls_back(tmp_path, damage):
     step, state = ckpt.restore_latest_intact(abstract_of(newest), log=messages.append)
     assert step == 2
     np.testing.assert_array_equal(state["w"], np.asarray(tiny_state()["w"]))  # what was saved
-    assert len(messages) == 1 and messages[0].startswith("warning: checkpoint: step 4")
+    assert len(messages) == 1 and messages[0].startswith("warning: checkpoint: step 4 is damaged")
     assert ckpt.all_steps() == [2]
     ckpt.close()
     assert os.path.exists(os.path.join(tmp_path, "damaged_checkpoints", "4"))  # kept
@@ -215,7 +238,7 @@ def test_no_intact_checkpoint_is_an_error_and_moves_nothing(tmp_path):
     ckpt.close()
 
 
-# -- item 4: a failed save stops the run, nothing partial left ----------------------------------
+# -- item 4 (and issue 36.2): a failed save stops the run, nothing partial left ------------------
 
 def _fail_grain_saves_from(monkeypatch, nth):
     """grain's iterator writer raises ENOSPC from its ``nth`` call on (a full disk)."""
@@ -237,22 +260,63 @@ def test_a_failed_save_raises_one_line_and_leaves_no_tmp(tmp_path, monkeypatch, 
     iterator = iter(grain.MapDataset.source([1, 2, 3]).to_iter_dataset())
     ckpt = Checkpointer(str(tmp_path), async_save=async_save)
     ckpt.save(2, tiny_state(), iterator)
-    with pytest.raises(CheckpointError, match=r"saving .* failed \(OSError: \[Errno 28\] No space") as e:
-        ckpt.save(4, tiny_state(1.0), iterator)
-        ckpt.close()  # async: the error may surface only when waiting
-    assert "\n" not in str(e.value)
+    assert ckpt.wait() == [2]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointError, match=r"saving step 4 .* failed \(OSError: \[Errno 28\] "
+                                                  r"No space left on device\); the checkpoints left "
+                                                  r"there: \[2\]; free space on its disk, then "
+                                                  r"rerun the same command to resume from step 2"):
+            ckpt.save(4, tiny_state(1.0), iterator)
+        gc.collect()  # the writes orbax had prepared were closed, not left to warn here
+    assert not [w for w in caught if "never awaited" in str(w.message)]
     ckpt.close()  # reported once; closing again does not raise
     assert sorted(os.listdir(os.path.join(tmp_path, "checkpoints"))) == ["2"]
+
+
+def test_old_checkpoints_go_only_after_a_newer_one_committed(tmp_path, monkeypatch):
+    """keep=1: each commit deletes the step before it; a failed save deletes nothing."""
+    ckpt = Checkpointer(str(tmp_path), keep=1, async_save=True)
+    for step in (2, 4):
+        ckpt.save(step, tiny_state(step))
+        assert ckpt.wait() == [step]
+        assert ckpt.committed_steps() == [step]
+    _fail_grain_saves_from(monkeypatch, 1)
+    iterator = iter(grain.MapDataset.source([1, 2, 3]).to_iter_dataset())
+    with pytest.raises(CheckpointError, match=r"left there: \[4\]"):
+        ckpt.save(6, tiny_state(6), iterator)
+    ckpt.close()
+    assert sorted(os.listdir(os.path.join(tmp_path, "checkpoints"))) == ["4"]
 
 
 def test_a_failed_async_save_stops_the_training_run(tmp_path, monkeypatch):
     _fail_grain_saves_from(monkeypatch, 2)
     cfg = micro_config("train.num_steps=12", "train.save_every=2", "train.async_checkpoints=true")
-    with pytest.raises(CheckpointError, match="No space left on device"):
-        train(cfg, str(tmp_path), log=print)
+    messages = []
+    with pytest.raises(CheckpointError, match="saving step 4 .*No space left on device"):
+        train(cfg, str(tmp_path), log=messages.append)
     steps = [r["step"] for r in read_jsonl(os.path.join(tmp_path, "metrics.jsonl")) if "loss" in r]
-    assert 4 <= max(steps) <= 5  # the step of the failed save, or the one after
+    assert max(steps) == 4  # the save of step 4 failed as it started
+    assert not [m for m in messages if m.startswith("checkpoint: step 4 saved")]
     assert sorted(os.listdir(os.path.join(tmp_path, "checkpoints"))) == ["2"]
+
+
+def test_a_background_save_that_fails_stops_the_run_at_the_next_step(tmp_path):
+    """A file-size limit (as a full disk would) fails orbax's background write of step 2: the
+    run stops at the first step after orbax gave up on it (the hook makes that step 3), names
+    step 2, prints no "saved" line for it and lists what is left (nothing)."""
+    workdir = tmp_path / "run"
+    code, out, err = _run_at_moment("save_fails", None, workdir, ["train.num_steps=8"])
+    assert code == 1, out + err
+    assert err.count("\n") == 1, err  # the orbax and TensorStore errors went to library.log
+    assert err.startswith(f"error: checkpoint: saving step 2 to {RunDir(workdir).checkpoint_dir} "
+                          f"failed (OSError: [Errno 27] File too large); the checkpoints left "
+                          f"there: none; raise the file-size limit"), err
+    assert "saved" not in out
+    steps = [r["step"] for r in read_jsonl(str(workdir / "metrics.jsonl")) if "loss" in r]
+    assert max(steps) <= 3
+    assert os.listdir(workdir / "checkpoints") == []  # no partial (tmp) directory either
+    assert "OUT_OF_RANGE" in (workdir / "library.log").read_text()
 
 
 # -- item 6: the workdir lock ---------------------------------------------------------------
@@ -333,38 +397,283 @@ def test_non_identity_fields_may_change_on_resume(tmp_path):
     assert set(NON_IDENTITY_FIELDS) == {"train"}  # model and data fields always fix identity
 
 
-# -- item 8: Ctrl-C is treated like SIGTERM -----------------------------------------------------
+# -- issue 36.3: SIGTERM and SIGINT at every moment of a real train.py process -----------------
+
+# Runs train.py as __main__ in this process after arranging for the process to signal itself at
+# one moment of the run (argv: moment, signal name or -, then train.py's arguments), so each
+# case is exact without waiting on output.
+MOMENT_DRIVER = textwrap.dedent("""
+    import os, runpy, signal, sys, time
+    moment, signame = sys.argv[1:3]
+    script = sys.argv[3]
+    sys.argv = sys.argv[3:]
+    sig = getattr(signal, signame, None)
+
+    def fire(times=1):
+        for _ in range(times):
+            os.kill(os.getpid(), sig)
+
+    if moment == "save_fails":  # a file-size limit: a write past it fails (EFBIG), as on a full disk
+        import resource
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, resource.RLIM_INFINITY))
+    if moment == "imports":
+        class FireOnJax:  # while train.py imports jax
+            def find_spec(self, name, path=None, target=None):
+                if name == "jax":
+                    sys.meta_path.remove(self)
+                    fire()
+        sys.meta_path.insert(0, FireOnJax())
+    else:
+        import ls_jax.train as T
+        from ls_jax.checkpoint import Checkpointer
+        real_compile, real_save, real_eval = T.compile_train_fns, Checkpointer.save, T.evaluate_model
+        saving = []
+
+        def compile_train_fns(cfg, mesh):
+            if moment == "startup":
+                fire()
+            fns = real_compile(cfg, mesh)
+            calls = [0]
+
+            def wrap(step_fn):
+                def step(*args):
+                    calls[0] += 1
+                    if (moment, calls[0]) in (("compile", 1), ("step", 3)):
+                        fire()
+                    if moment == "save_fails":  # orbax is done with the pending save first
+                        while saving and saving[0]._manager.is_saving_in_progress():
+                            time.sleep(0.01)
+                    return step_fn(*args)
+                return step
+            fns.steps = {k: wrap(v) for k, v in fns.steps.items()}
+            return fns
+
+        def save(self, *args, **kwargs):
+            first = not saving
+            saving[:] = [self]
+            real_save(self, *args, **kwargs)
+            if first and moment in ("save", "second_signal"):  # while step 2's save runs
+                fire(2 if moment == "second_signal" else 1)
+
+        def evaluate_model(*args, **kwargs):
+            if moment == "final_eval":
+                fire()
+            return real_eval(*args, **kwargs)
+
+        T.compile_train_fns, T.evaluate_model = compile_train_fns, evaluate_model
+        Checkpointer.save = save
+    runpy.run_path(script, run_name="__main__")
+""")
+MOMENT_RUN = ["train.num_steps=4", "train.save_every=2", "train.async_checkpoints=true"]
+
+
+def _run_at_moment(moment, sig, workdir, extra=()):
+    """(exit code, stdout, stderr) of ``train.py --config tiny`` on the micro config."""
+    cmd = [sys.executable, "-c", MOMENT_DRIVER, moment, sig.name if sig else "-",
+           os.path.join(ROOT, "train.py"), "--workdir", str(workdir), *MICRO, *MOMENT_RUN, *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
 
 @pytest.mark.slow
-def test_ctrl_c_saves_and_exits_zero(tmp_path, signal_training_run):
+@pytest.mark.parametrize("moment,sig,code,last,saved", [
+    ("imports", signal.SIGTERM, 0, "stopped (SIGTERM) outside the training loop: nothing to "
+                                   "save; rerun the same command to resume", None),
+    ("startup", signal.SIGTERM, 0, "stopped before step 1 (SIGTERM, during start-up): nothing "
+                                   "new to save; rerun the same command to resume", []),
+    ("compile", signal.SIGINT, 0, "stopped at step 1 (SIGINT); checkpoint step 1 is saved in "
+                                  "{ckpt}; rerun the same command to resume", [1]),
+    ("step", signal.SIGTERM, 0, "stopped at step 3 (SIGTERM); checkpoint step 3 is saved in "
+                                "{ckpt}; rerun the same command to resume", [2, 3]),
+    ("save", signal.SIGINT, 0, "stopped at step 3 (SIGINT); checkpoint step 3 is saved in "
+                               "{ckpt}; rerun the same command to resume", [2, 3]),
+    ("final_eval", signal.SIGTERM, 0, "stopped during the final eval (SIGTERM); checkpoint step 4 "
+                                      "is saved in {ckpt}; rerun the same command to run the "
+                                      "final eval", [2, 4]),
+    ("second_signal", signal.SIGINT, 130, "error: stopped at once by a second SIGINT (nothing "
+                                          "more was saved); the last checkpoint is step 2 in "
+                                          "{ckpt}; rerun the same command to resume", [2]),
+])
+def test_a_signal_at_any_moment_ends_with_one_line(tmp_path, moment, sig, code, last, saved):
+    """The first signal asks for a stop: exit 0, one line saying what is saved, every written
+    checkpoint kept (the final one committed before the final eval). A second one, here while
+    step 2's save is in flight, stops at once but waits for that commit."""
     workdir = tmp_path / "run"
-    returncode, out = signal_training_run(workdir, MICRO, signal.SIGINT, after_lines=2)
-    assert returncode == 0, out
-    assert "Traceback" not in out and "KeyboardInterrupt" not in out
-    assert "stopping at step" in out and f"signal {int(signal.SIGINT)}" in out
-    assert "checkpoint: step" in out and "interrupted" in out
-    ckpt = Checkpointer(str(workdir), create=False)
-    steps = ckpt.all_steps()
-    ckpt.close()
-    assert len(steps) == 1 and steps[0] >= 2
+    rc, out, err = _run_at_moment(moment, sig, workdir)
+    ckpt_dir = RunDir(workdir).checkpoint_dir
+    lines = (out + err).strip().splitlines()
+    assert rc == code, out + err
+    assert lines[-1] == last.format(ckpt=ckpt_dir), out + err
+    assert sum("stopped" in line for line in lines) == 1 and "Traceback" not in out + err
+    if saved is None:
+        assert not workdir.exists()
+        return
+    assert sorted(os.listdir(ckpt_dir), key=int) == [str(s) for s in saved]  # no unfinished save
+    for step in saved[:-1] if moment == "second_signal" else saved:  # each after its commit
+        assert f"checkpoint: step {step} saved to {ckpt_dir}" in out
+    assert os.path.exists(workdir / "config.json") == bool(saved)  # a start-up stop leaves none
+    if moment == "final_eval":  # the rerun runs the final eval of the saved step
+        resumed = train(micro_config(*MOMENT_RUN), str(workdir), log=quiet)
+        assert resumed.start_step == 4 and resumed.losses == {}
+        assert resumed.eval_metrics is not None
 
 
-def test_library_log_records_lose_their_tracebacks_without_debug(capsys):
-    import logging
-    from ls_jax.configs.cli import quiet_library_tracebacks
-    logger = logging.getLogger("absl")
-    handler = logging.StreamHandler(sys.stderr)
-    logger.addHandler(handler)
-    before = list(logger.filters)
-    try:
-        with warnings.catch_warnings():
-            quiet_library_tracebacks()
+# -- issue 36.4: a damaged checkpoint's fallback is quiet; library logs go to a file ------------
+
+def test_a_damaged_checkpoint_fallback_prints_one_short_line(tmp_path, monkeypatch, capfd):
+    """state/_METADATA removed: one warning of at most 300 characters, whatever orbax, asyncio
+    or TensorStore log (a flood of 500 records here); they and the whole error are in
+    library.log."""
+    run = str(tmp_path / "run")
+    train(micro_config("train.num_steps=4", "train.save_every=2"), run, log=quiet)
+    os.remove(os.path.join(run, "checkpoints", "4", "state", "_METADATA"))
+    real_restore = Checkpointer._restore
+
+    def flooding_restore(self, step, *args, **kwargs):
+        for i in range(500):
             try:
-                raise OSError(28, "No space left on device")
-            except OSError:
-                logger.exception("save raised an exception: [Errno 28] No space left on device")
-    finally:
-        logger.removeHandler(handler)
-        logger.filters[:] = before
+                raise RuntimeError(f"TensorStore read {i} failed")
+            except RuntimeError:
+                logging.getLogger("asyncio").exception("Task exception was never retrieved")
+        return real_restore(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpointer, "_restore", flooding_restore)
+    capfd.readouterr()
+    assert train_main(["--workdir", run, *MICRO, "train.num_steps=5", "train.save_every=2"]) == 0
+    out, err = capfd.readouterr()
+    assert len(err.splitlines()) <= 3, err[:2000]
+    assert all(len(line) <= 300 for line in (out + err).splitlines()), out + err
+    (warning,) = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert warning.startswith("warning: checkpoint: step 4 is damaged (unreadable: ") and \
+        warning.endswith(f"moved to {tmp_path}/run/damaged_checkpoints/4, resuming from step 2")
+    log = open(os.path.join(run, "library.log")).read()
+    assert log.count("Task exception was never retrieved") >= 1000  # two restores, 500 each
+    assert "step 4" in log and "Traceback" in log
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_library_log_records_go_to_the_log_file_and_with_debug_to_stderr(tmp_path, capsys, debug):
+    path = str(tmp_path / "run" / "library.log")
+    assert send_library_logs_to(path, echo=debug) == path
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError:
+        logging.getLogger("absl").exception("save raised an exception")
+    warnings.warn("a library's warning")
     err = capsys.readouterr().err
-    assert err == "save raised an exception: [Errno 28] No space left on device\n"
+    log = open(path).read()
+    assert "save raised an exception" in log and "Traceback" in log and "a library's warning" in log
+    if debug:
+        assert "save raised an exception" in err and "Traceback" in err
+    else:
+        assert err == ""
+
+
+def test_without_a_log_file_records_stay_on_stderr_one_line_each(tmp_path, capsys):
+    assert send_library_logs_to(None) is None
+    try:
+        raise OSError(28, "No space left on device")
+    except OSError:
+        logging.getLogger("absl").exception("save raised an exception")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "save raised an exception" in err
+
+
+# -- issue 36.1: torn records and full disks ----------------------------------------------------
+
+def test_a_torn_last_record_is_repaired_on_resume(tmp_path):
+    """A write cut short (a full disk, a kill) leaves a partial last record in metrics.jsonl and
+    the TensorBoard events: the resume removes both with one warning and goes on."""
+    cfg = micro_config("train.num_steps=4", "train.save_every=2")
+    run = str(tmp_path / "run")
+    train(cfg, run, stop_after_steps=2, log=quiet)
+    metrics = os.path.join(run, "metrics.jsonl")
+    with open(metrics, "a") as f:
+        f.write('{"step": 3, "loss": 4.2, "grad_n')
+    (events,) = [os.path.join(run, "tensorboard", n) for n in os.listdir(os.path.join(run, "tensorboard"))]
+    with open(events, "ab") as f:
+        f.write(struct.pack("<Q", 100) + b"\0\0\0\0" + b"partial")
+    assert [r["step"] for r in read_jsonl(metrics)] == [1, 2]  # the partial record left out
+    messages = []
+    resumed = train(cfg, run, log=messages.append)
+    warnings_ = [m for m in messages if m.startswith("warning:")]
+    assert len(warnings_) == 1 and metrics in warnings_[0] and events in warnings_[0], messages
+    assert resumed.start_step == 2 and resumed.final_step == 4
+    assert [r["step"] for r in read_jsonl(metrics) if "loss" in r] == [1, 2, 3, 4]
+    assert sorted(tensorboard_scalars(os.path.join(run, "tensorboard"))["loss"]) == [1, 2, 3, 4]
+    # a damaged record before the last is not guessed at: one line naming the file and line
+    lines = open(metrics).read().splitlines()
+    lines[1] = lines[1][:20]
+    with open(metrics, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=f"metrics: line 2 of {metrics} is not a JSON record"):
+        read_jsonl(metrics)
+
+
+class _FillsUp:
+    """A file on a disk that fills up after ``room`` writes: the next write lands half."""
+
+    def __init__(self, f, room):
+        self._f, self._room = f, room
+
+    def write(self, text):
+        if self._room == 0:
+            self._f.write(text[:len(text) // 2])
+            self._f.flush()
+            raise OSError(28, "No space left on device")
+        self._room -= 1
+        return self._f.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def test_a_full_disk_names_the_file_and_the_rerun_goes_on(tmp_path, monkeypatch):
+    cfg = micro_config("train.num_steps=6", "train.save_every=2")
+    run = str(tmp_path / "run")
+    metrics = os.path.join(run, "metrics.jsonl")
+
+    def open_on_a_small_disk(path, mode="r", *args, **kwargs):
+        f = open(path, mode, *args, **kwargs)
+        return _FillsUp(f, room=3) if path == metrics and "a" in mode else f
+
+    monkeypatch.setattr(metrics_lib, "open", open_on_a_small_disk, raising=False)
+    with pytest.raises(OSError, match=rf"^could not write {metrics} \(No space left on device\); "
+                                      rf"free space on its disk, then rerun the same command$"):
+        train(cfg, run, log=quiet)
+    assert not open(metrics).read().endswith("\n")  # step 4's record, cut short
+    monkeypatch.undo()
+    messages = []
+    resumed = train(cfg, run, log=messages.append)
+    warnings_ = [m for m in messages if m.startswith("warning:")]
+    assert len(warnings_) == 1 and f"partial last record of {metrics} (" in warnings_[0]
+    assert resumed.start_step == 2 and resumed.final_step == 6
+    assert [r["step"] for r in read_jsonl(metrics) if "loss" in r] == list(range(1, 7))
+
+
+def test_a_full_disk_under_tensorboard_names_its_events_file(tmp_path, monkeypatch):
+    from tensorboardX import SummaryWriter
+    writer = metrics_lib.MetricsWriter(str(tmp_path / "metrics.jsonl"),
+                                       tensorboard_dir=str(tmp_path / "tb"))
+    writer.write(1, {"loss": 1.0})
+
+    def full_disk(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(SummaryWriter, "flush", full_disk)
+    with pytest.raises(OSError, match=rf"^could not write {tmp_path}/tb/events\.out\.tfevents\.\S+ "
+                                      rf"\(No space left on device\); free space on its disk"):
+        writer.write(2, {"loss": 1.0})
+    writer.close()  # the error was raised once; closing does not raise it again
+
+
+# -- issue 36.8: the documented error format is what the program prints -------------------------
+
+def test_a_bad_override_is_one_line_as_documented(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train_main(["train.lr=nan"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err == "error: train.lr: expected a finite number, got nan\n"
+    assert f"`{err.strip()}`" in DOCS

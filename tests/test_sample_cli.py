@@ -37,12 +37,25 @@ def test_cli_samples_text(run_dir, capsys):
     assert "step 3: 9 prompt + 12 new tokens" in err and "tokens/s" in err
 
 
-@pytest.mark.parametrize("case", ["no_run", "no_tokenizer", "empty_prompt", "past_table"])
+def test_the_default_length_fits_the_model(run_dir, capsys):
+    """Without --max-new-tokens: as many new tokens as the 64 learned positions leave."""
+    prompt = "x" * 60
+    rc = sample_main(["--checkpoint", run_dir, "--prompt", prompt, "--no-stop"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "60 prompt + 4 new tokens" in err
+
+
+@pytest.mark.parametrize("case", ["no_run", "no_tokenizer", "empty_prompt", "past_table",
+                                  "prompt_fills_table"])
 def test_cli_bad_input_one_line_exit_2(run_dir, tmp_path, capsys, case):
     ckpt, args = run_dir, ["--prompt", "abc", "--max-new-tokens", "4"]
     expect = {"no_run": "config.json", "no_tokenizer": "SentencePiece model file not found",
               "empty_prompt": "--prompt: expected a non-empty text",
-              "past_table": "exceeds model.max_seq_len=64"}[case]
+              "past_table": "exceeds model.max_seq_len=64, the learned position table; expected "
+                            "max_new_tokens <= 61",
+              "prompt_fills_table": "prompt: 70 tokens leave no room for a new one in "
+                                    "model.max_seq_len=64"}[case]
     if case == "no_run":
         ckpt = str(tmp_path / "nothing")
     elif case == "no_tokenizer":  # a run whose tokenizer file is gone
@@ -55,6 +68,8 @@ def test_cli_bad_input_one_line_exit_2(run_dir, tmp_path, capsys, case):
             json.dump(cfg, f)
     elif case == "empty_prompt":
         args = ["--prompt", "", "--max-new-tokens", "4"]
+    elif case == "prompt_fills_table":  # with the default length: no negative suggestion
+        args = ["--prompt", "y" * 70]
     else:
         args = ["--prompt", "abc", "--max-new-tokens", "62"]
     rc = sample_main(["--checkpoint", ckpt] + args)

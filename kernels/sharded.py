@@ -17,6 +17,8 @@ call does:
   pair (``kernels/residuals.py``); for the other backends the backward runs the forward again
   per shard. Where ``implementation=None`` pairs a faster forward-only backend with the
   differentiated one (``kernels/directional.py``), the forward-only op runs the former.
+  "cudnn" partitions itself (JAX's cuDNN call has its own custom partitioning) and is called
+  as it is.
 * otherwise (one device, or inside a ``shard_map`` that already made the call per shard) the
   backend is called as it is; so is Pallas' TPU interpreter (``interpret=True`` with
   "pallas_tpu") on Auto axes, since JAX cannot lower its ordered host callbacks inside a
@@ -200,7 +202,7 @@ def _explicit(call: Call, mesh, layout: Layout, q, k, v, segment_ids):
     args, in_specs = [q, k, v], [layout.qkv] * 3
     if segment_ids is not None:
         args, in_specs = args + [segment_ids], in_specs + [layout.segments]
-    args = [jax.sharding.reshard(x, s) for x, s in zip(args, in_specs)]
+    args = [jax.sharding.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs)]
     out_specs = (layout.qkv, layout.stats) if call.logit_stats else (layout.qkv,)
     body = _per_shard(run, call, layout, dict(mesh.shape), 1 if call.logit_stats else None)
     outs = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
@@ -328,7 +330,23 @@ def _apply(op: _Op, *arrays):
     return apply(*arrays)
 
 
+# Backends that partition themselves: "cudnn" is jax.nn.dot_product_attention's cuDNN call,
+# custom-partitioned by JAX (batch and heads), its statistic pass plain JAX.
+SELF_PARTITIONING = ("cudnn",)
+
+
 def _auto(call: Call, q, k, v, segment_ids):
+    if call.differentiated in SELF_PARTITIONING:
+        if call.primal == call.differentiated:
+            return run_backend(call, q, k, v, segment_ids)
+
+        def primal(q, k, v, *, segment_ids, **_):  # our forward, partitioned by the op
+            return _auto(call._replace(differentiated=call.primal), q, k, v, segment_ids)
+
+        backend = directional_backend(primal, _get_backend(call.differentiated))
+        return backend(q, k, v, window_sizes=call.windows, segment_ids=segment_ids,
+                       scale=call.scale, return_logit_stats=call.logit_stats,
+                       interpret=call.interpret)
     arrays = (q, k, v) + ((segment_ids,) if segment_ids is not None else ())
     forward = _Op(call, "forward")
 

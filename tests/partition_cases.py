@@ -99,7 +99,23 @@ def case_planted_gather():
         return ls_attention(q, k, v, (None, 3, 8, 16), implementation="reference")
 
     hlo = jax.jit(gathered).lower(*args).compile().as_text()
-    return {"gathers": len(qkv_gathers(hlo, T, H, D))}
+    return {"gathers": len(qkv_gathers(hlo, T, H, D)), "vmap": _vmap()}
+
+
+def _vmap():
+    """jax.vmap over the op on a machine of several devices (the partitioned ops fold the
+    mapped axis into the batch): output and gradients against a loop over the mapped axis."""
+    from ls_jax.kernels import ls_attention
+    q, k, v, do, _ = _inputs(2, False)
+    qs, ks, vs, dos = (x.reshape((2, B // 2) + x.shape[1:]) for x in (q, k, v, do))
+
+    def loss(q, k, v, do):
+        return jnp.sum(ls_attention(q, k, v, (None, 3, 8, 16), implementation="reference") * do)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    mapped = jax.jit(jax.vmap(grad))(qs, ks, vs, dos)
+    looped = [jnp.stack(g) for g in zip(*(grad(qs[i], ks[i], vs[i], dos[i]) for i in range(2)))]
+    return max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(mapped, looped))
 
 
 def case_refused(axis_type: str):
@@ -119,6 +135,22 @@ def case_refused(axis_type: str):
         except Exception as e:  # noqa: BLE001 - the message is what the test checks
             out[name] = str(e)
     return out
+
+
+def case_readme():
+    """The README's mesh example: its output's sharding and the gathers of its program."""
+    import pathlib
+    import re
+
+    from ls_jax.kernels.sharded import qkv_gathers
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
+                if "jax.make_mesh" in b]
+    ns: dict = {}
+    exec(compile(block, "README.md", "exec"), ns)
+    f = jax.jit(lambda q, k, v: ns["ls_attention"](q, k, v, (None, 64, 64, 64)))
+    hlo = f.lower(ns["q"], ns["k"], ns["v"]).compile().as_text()
+    return {"out_spec": str(ns["out"].sharding.spec), "gathers": len(qkv_gathers(hlo, 256, 4, 32))}
 
 
 if __name__ == "__main__":

@@ -57,11 +57,12 @@ def _result(proc: subprocess.Popen) -> dict:
 @pytest.fixture(scope="module")
 def cases():
     procs = [_start("compare", *group) for group in GROUPS]
-    procs += [_start("planted_gather"), _start("refused", "Auto"), _start("refused", "Explicit")]
+    procs += [_start("planted_gather"), _start("refused", "Auto"), _start("refused", "Explicit"),
+              _start("readme")]
     results = [_result(p) for p in procs]
     compared = {k: v for r in results[:len(GROUPS)] for k, v in r.items()}
-    return dict(compared=compared, planted=results[-3], refused_auto=results[-2],
-                refused_explicit=results[-1])
+    return dict(compared=compared, planted=results[-4], refused_auto=results[-3],
+                refused_explicit=results[-2], readme=results[-1])
 
 
 @pytest.mark.parametrize("case", COMPARED)
@@ -81,6 +82,14 @@ def test_sharded_call_matches_one_device_without_gathers(cases, case):
 
 def test_a_planted_gather_is_counted(cases):
     assert cases["planted"]["gathers"] >= 1
+
+
+def test_vmap_over_the_partitioned_op_matches_a_loop(cases):
+    assert cases["planted"]["vmap"] < 1e-5
+
+
+def test_readme_mesh_example_runs_per_shard(cases):
+    assert cases["readme"] == {"out_spec": "P('batch', None, 'model', None)", "gathers": 0}
 
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])

@@ -15,7 +15,7 @@ from ls_jax.kernels.reference import reference_attention_parts, reference_backen
 
 WINDOWS = (None, 3, 9, None)
 # Kernels whose x64 fix their owners have pending (each xfail is strict: the fix makes it
-# pass, and then the marker goes)
+# pass, and then its entry goes)
 PENDING = {
     "pallas_gpu": "lax.div(item, num_slots) and lax.div(h, group) mix int32 and int64 in the "
                   "Triton kernels (pallas_gpu forward/backward/decode): the lead's fix",
@@ -69,14 +69,16 @@ def cudnn_on_cpu(monkeypatch):
                         lambda q, k, v, scale: causal(q, k, v, scale))
 
 
+def _pending(*impls):
+    return [pytest.mark.xfail(reason=PENDING[i], strict=True) for i in impls if i in PENDING]
+
+
 CASES = [
-    *[pytest.param(impl, dtype, id=f"{impl}-{dtype}",
-                   marks=[pytest.mark.xfail(reason=PENDING[impl], strict=True)]
-                   if impl in PENDING else [])
+    *[pytest.param(impl, dtype, id=f"{impl}-{dtype}", marks=_pending(impl))
       for impl in ("reference", "pallas_gpu", "pallas_tpu") for dtype in ("float32", "bfloat16")],
     pytest.param("cudnn", "bfloat16", id="cudnn-bfloat16"),  # cuDNN takes no float32
-    pytest.param("split", "bfloat16", id="split-bfloat16",  # its local heads are pallas_gpu's
-                 marks=pytest.mark.xfail(reason=PENDING["pallas_gpu"], strict=True)),
+    # its local heads are pallas_gpu's
+    pytest.param("split", "bfloat16", id="split-bfloat16", marks=_pending("pallas_gpu")),
 ]
 
 

@@ -252,7 +252,9 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
             "interpret: only the Pallas backends and 'split' (its local heads), "
             f"{INTERPRET_IMPLEMENTATIONS}, have an interpret mode; got interpret={interpret!r} "
             f"with implementation={implementation!r}")
-    get_backend(implementation)  # an unknown name fails here, with one line
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation: expected None or one of {IMPLEMENTATIONS}, got {implementation!r}")
     call = Call(primal=primal, differentiated=implementation, windows=windows, scale=scale,
                 logit_stats=bool(return_logit_stats), has_segments=segment_ids is not None,
                 interpret=interpret)

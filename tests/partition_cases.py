@@ -22,7 +22,6 @@ B, T, H, D = 8, 24, 4, 8
 LAYOUTS = {
     "batch": (P("rows"), 4, (None, 3, 8, 16)),
     "heads": (P(None, None, "cols"), 4, (None, 3, 8, 16)),
-    "both": (P("rows", None, "cols"), 4, (None, 3, 8, 16)),
     "gqa": (P("rows", None, "cols"), 2, (None, 3, 8, 16)),
     "batch_two_axes": (P(("rows", "cols")), 2, (5, 3, None, 16)),
     "same_windows": (P("rows", None, "cols"), 2, (None, 7, None, 7)),

@@ -13,15 +13,15 @@ TEST_WORKERS ?= 2
 # On accelerators: JAX_EXTRA=cuda13 (NVIDIA GPUs) or JAX_EXTRA=tpu (TPU VMs) adds jax[...]
 JAX_EXTRA ?=
 # The newest JAX that pyproject.toml's range admits, tested beside the lock in its own venv on
-# the tests of what touches JAX's changing APIs: the kernels (interpret mode, export), the
-# modules, the partitioning over 8 fake devices (make test-jax-next)
+# what touches JAX's changing APIs (make test-jax-next): the op and its validation, dispatch,
+# the modules, the partitioning on 8 fake devices (custom partitioning, shard_map, sharding
+# types; both Pallas kernels in interpret mode), x64, and the Pallas lowering of both kernels
+# for cuda and tpu (export). The long interpret-mode kernel suites run on the lock only.
 JAX_NEXT ?= 0.12.0.1
 VENV_NEXT ?= .venv-jax-next
 NEXT_TESTS ?= tests/test_reference.py tests/test_api_validation.py tests/test_dispatch.py \
-	tests/test_directional.py tests/test_cudnn.py tests/test_split.py tests/test_pallas_gpu.py \
-	tests/test_pallas_tpu.py tests/test_tpu_export.py tests/test_decode_kernel.py \
-	tests/test_model.py tests/test_attention_fn.py tests/test_linen.py \
-	tests/test_partitioning.py tests/test_export.py tests/test_x64.py
+	tests/test_directional.py tests/test_model.py tests/test_attention_fn.py tests/test_linen.py \
+	tests/test_partitioning.py tests/test_x64.py tests/test_export.py tests/test_tpu_export.py
 
 .PHONY: venv train eval sample test test-jax-next test-fast bench clean help
 
@@ -30,7 +30,7 @@ help:
 	@echo "make eval    - evaluate the latest checkpoint in $(WORKDIR)"
 	@echo "make sample  - generate text from the latest checkpoint in $(WORKDIR) after PROMPT"
 	@echo "make test    - set up .venv and run the test suite (CPU)"
-	@echo "make test-jax-next - the kernel, module and partitioning tests on jax $(JAX_NEXT)"
+	@echo "make test-jax-next - the op, module, partitioning and export tests on jax $(JAX_NEXT)"
 	@echo "make bench   - attention benchmark (needs an NVIDIA GPU)"
 
 $(VENV)/.installed: requirements.txt pyproject.toml Makefile

@@ -12,14 +12,25 @@ PROMPT ?= def main(
 TEST_WORKERS ?= 2
 # On accelerators: JAX_EXTRA=cuda13 (NVIDIA GPUs) or JAX_EXTRA=tpu (TPU VMs) adds jax[...]
 JAX_EXTRA ?=
+# The newest JAX that pyproject.toml's range admits, tested beside the lock in its own venv on
+# what touches JAX's changing APIs (make test-jax-next): the op and its validation, dispatch,
+# the modules, the partitioning on 8 fake devices (custom partitioning, shard_map, sharding
+# types; both Pallas kernels in interpret mode), x64, and the Pallas lowering of both kernels
+# for cuda and tpu (export). The long interpret-mode kernel suites run on the lock only.
+JAX_NEXT ?= 0.12.0.1
+VENV_NEXT ?= .venv-jax-next
+NEXT_TESTS ?= tests/test_reference.py tests/test_api_validation.py tests/test_dispatch.py \
+	tests/test_directional.py tests/test_model.py tests/test_attention_fn.py tests/test_linen.py \
+	tests/test_partitioning.py tests/test_x64.py tests/test_export.py tests/test_tpu_export.py
 
-.PHONY: venv train eval sample test test-fast bench clean help
+.PHONY: venv train eval sample test test-jax-next test-fast bench clean help
 
 help:
 	@echo "make train   - set up .venv and train the '$(CONFIG)' config into $(WORKDIR) (resumes if present)"
 	@echo "make eval    - evaluate the latest checkpoint in $(WORKDIR)"
 	@echo "make sample  - generate text from the latest checkpoint in $(WORKDIR) after PROMPT"
 	@echo "make test    - set up .venv and run the test suite (CPU)"
+	@echo "make test-jax-next - the op, module, partitioning and export tests on jax $(JAX_NEXT)"
 	@echo "make bench   - attention benchmark (needs an NVIDIA GPU)"
 
 $(VENV)/.installed: requirements.txt pyproject.toml Makefile
@@ -45,8 +56,21 @@ sample: venv
 test: venv
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests $(ARGS)
 
+$(VENV_NEXT)/.installed: requirements.txt pyproject.toml Makefile
+	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=/path/to/python3.12" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV_NEXT)
+	$(VENV_NEXT)/bin/python -m pip install -q --upgrade pip
+	grep -v '^jax' requirements.txt > $(VENV_NEXT)/requirements.txt
+	$(VENV_NEXT)/bin/python -m pip install -q -r $(VENV_NEXT)/requirements.txt \
+	  "jax==$(JAX_NEXT)" "jaxlib==$(JAX_NEXT)"
+	$(VENV_NEXT)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+test-jax-next: $(VENV_NEXT)/.installed
+	$(VENV_NEXT)/bin/python -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider $(NEXT_TESTS) $(ARGS)
+
 bench: venv
 	$(PY) bench/attention.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_NEXT) runs .pytest_cache

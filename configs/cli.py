@@ -1,6 +1,8 @@
 """Argument parsing and entry functions behind the thin ``train.py`` and ``eval.py`` scripts.
 
 It sits above the library: it resolves named configs (this package) and calls ``ls_jax``.
+Importing it and ``--help`` need only the core install; a command that runs needs the [train]
+extra, and without it ends with one line naming it.
 """
 
 from __future__ import annotations
@@ -8,24 +10,32 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import types
 
 from ls_jax.configs import get_config
 
-try:
-    from ls_jax.checkpoint import CheckpointError
-    from ls_jax.evaluate import evaluate_checkpoint
-    from ls_jax.metrics import send_library_logs_to
-    from ls_jax.rundir import RunDir, WorkdirLocked
-    from ls_jax.sharding import maybe_initialize_distributed
-    from ls_jax.train import TrainingDiverged, train
-except ModuleNotFoundError as e:  # a core-only install: `pip install ls-jax` without [train]
-    raise SystemExit(f"error: training and evaluation need the [train] extra (missing module "
-                     f"{e.name!r}): pip install 'ls-jax[train]'") from e
 
-# Errors a user can cause or fix (bad input, a locked or damaged run directory, a full disk, a
-# diverged run): one line on stderr and a non-zero exit; anything else is a bug (traceback).
-EXPECTED_ERRORS = (ValueError, OSError, ImportError, CheckpointError, WorkdirLocked,
-                   TrainingDiverged)
+def _train_extra() -> types.SimpleNamespace:
+    """The [train] extra's part of the library, imported when a command runs; without the
+    extra (`pip install ls-jax` alone) one line naming it and exit status 1."""
+    try:
+        from ls_jax.checkpoint import CheckpointError
+        from ls_jax.evaluate import evaluate_checkpoint
+        from ls_jax.metrics import send_library_logs_to
+        from ls_jax.rundir import RunDir, WorkdirLocked
+        from ls_jax.sharding import maybe_initialize_distributed
+        from ls_jax.train import TrainingDiverged, train
+    except ModuleNotFoundError as e:
+        raise SystemExit(f"error: training and evaluation need the [train] extra (missing "
+                         f"module {e.name!r}): pip install 'ls-jax[train]'") from e
+    # Errors a user can cause or fix (bad input, a locked or damaged run directory, a full
+    # disk, a diverged run): one line on stderr and a non-zero exit; anything else is a bug.
+    expected = (ValueError, OSError, ImportError, CheckpointError, WorkdirLocked,
+                TrainingDiverged)
+    return types.SimpleNamespace(
+        expected_errors=expected, evaluate_checkpoint=evaluate_checkpoint, train=train,
+        maybe_initialize_distributed=maybe_initialize_distributed,
+        send_library_logs_to=send_library_logs_to, RunDir=RunDir)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -69,12 +79,13 @@ def train_main(argv: list[str] | None = None) -> int:
         cfg = get_config(args.config, args.overrides)
     except ValueError as e:
         parser.error(str(e))
-    maybe_initialize_distributed(args.distributed)
+    lib = _train_extra()
+    lib.maybe_initialize_distributed(args.distributed)
     workdir = args.workdir or f"runs/{cfg.name}"
-    send_library_logs_to(RunDir(workdir).library_log_path, echo=args.debug)
+    lib.send_library_logs_to(lib.RunDir(workdir).library_log_path, echo=args.debug)
     try:
-        result = train(cfg, workdir)
-    except EXPECTED_ERRORS as e:
+        result = lib.train(cfg, workdir)
+    except lib.expected_errors as e:
         if args.debug:
             raise
         print(_one_line(e), file=sys.stderr)
@@ -106,15 +117,16 @@ def eval_main(argv: list[str] | None = None) -> int:
                         help="config overrides that leave the model alone: data.* (e.g. a moved "
                              "data.data_dir or data.tokenizer path) and train.*; model.* is refused")
     args = parser.parse_args(argv)
-    run = RunDir(args.checkpoint)  # no log file where there is no run directory
-    send_library_logs_to(run.library_log_path if os.path.isdir(run.path) else None,
+    lib = _train_extra()
+    run = lib.RunDir(args.checkpoint)  # no log file where there is no run directory
+    lib.send_library_logs_to(run.library_log_path if os.path.isdir(run.path) else None,
                          echo=args.debug)
     try:
-        result = evaluate_checkpoint(args.checkpoint, step=args.step, split=args.split,
-                                     seq_len=args.seq_len, max_batches=args.max_batches,
-                                     batch_size=args.batch_size, output=args.output,
-                                     overrides=args.overrides)
-    except EXPECTED_ERRORS as e:
+        result = lib.evaluate_checkpoint(args.checkpoint, step=args.step, split=args.split,
+                                         seq_len=args.seq_len, max_batches=args.max_batches,
+                                         batch_size=args.batch_size, output=args.output,
+                                         overrides=args.overrides)
+    except lib.expected_errors as e:
         if args.debug:
             raise
         print(_one_line(e), file=sys.stderr)

@@ -30,6 +30,9 @@ that gets validated inputs: ``window_sizes`` as returned by ``normalize_window_s
 tuple of int >= 1 or None, one per query head) and ``scale`` a float. ``get_backend`` imports
 it on first use, so that importing ``kernels`` never pulls in Triton or Mosaic. Which backend
 ``implementation=None`` picks is ``kernels/dispatch.py``.
+
+On inputs sharded over a device mesh (any axis names, Auto or Explicit axis types) the backend
+runs once per shard, the batch and the heads split: ``kernels/sharded.py``.
 """
 
 from __future__ import annotations
@@ -41,15 +44,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from ls_jax.kernels.band import WindowSizes
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
 from ls_jax.kernels.dispatch import (
     DEFAULT_IMPLEMENTATION,
     IMPLEMENTATIONS,
     INTERPRET_IMPLEMENTATIONS,
     choose_implementation,
     choose_primal_implementation,
+    current_platform,
 )
-from ls_jax.kernels.directional import directional_backend
 from ls_jax.kernels.reference import default_scale
+from ls_jax.kernels.sharded import Call, attention
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -134,6 +141,31 @@ def validate_inputs(q, k, v, window_sizes, segment_ids, scale) -> tuple[WindowSi
     return windows, float(scale)
 
 
+# implementation=None chooses for the platform of the machine that traces the call; a program
+# lowered for another platform (jax.export(..., platforms=...)) would run that choice there (the
+# dense reference on a GPU, say). An identity on q whose lowering checks the platforms refuses
+# that with one line.
+_platform_guard_p = Primitive("ls_attention_platform_guard")
+_platform_guard_p.def_impl(lambda x, **_: x)
+_platform_guard_p.def_abstract_eval(lambda x, **_: x)
+ad.deflinear2(_platform_guard_p, lambda ct, x, **params: [_platform_guard_p.bind(ct, **params)])
+batching.primitive_batchers[_platform_guard_p] = (
+    lambda args, dims, **params: (_platform_guard_p.bind(args[0], **params), dims[0]))
+
+
+def _platform_guard_lowering(ctx, x, *, traced_on: str, chosen: str):
+    others = [p for p in ctx.module_context.platforms if p != traced_on]
+    if others:
+        raise ValueError(
+            f"implementation: None chose {chosen!r} for {traced_on!r}, the platform of the "
+            f"machine that traced the call, but the program is lowered for {tuple(others)!r}; "
+            "pass implementation= explicitly (e.g. 'pallas_gpu' for cuda, 'pallas_tpu' for tpu)")
+    return [x]
+
+
+mlir.register_lowering(_platform_guard_p, _platform_guard_lowering)
+
+
 def default_implementation(platform: str | None = None) -> str:
     """The backend ``implementation=None`` picks on ``platform`` (default: JAX's default
     platform) when the case does not change it; per call, see ``kernels/dispatch.py``."""
@@ -174,6 +206,11 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
 
     So flash-attention's ``window_size=(span, 0)`` is ``p = span + 1`` here.
 
+    Sharded inputs: under ``jax.jit`` with q, k, v split over mesh axes (of any names) along
+    the batch and/or the heads, the backend runs once per shard, forward and backward, with
+    no gather of q, k, v, the output or their gradients, and each head shard with its own
+    windows (``kernels/sharded.py``); a split sequence (T) or head dimension (D) is refused.
+
     Args:
       q: [B, T, Hq, D] queries (float32, bfloat16 or float16).
       k, v: [B, T, Hkv, D] keys and values, Hkv divides Hq (GQA: query head h reads kv head
@@ -185,7 +222,9 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
       return_logit_stats: also return ``LogitStats`` (no gradient flows through them).
       implementation: None (the fastest backend for the platform and the case,
         ``kernels/dispatch.py``; where the fastest forward alone is another backend, a call
-        that nothing differentiates runs that one, ``kernels/directional.py``), "reference",
+        that nothing differentiates runs that one, ``kernels/directional.py``; the platform is
+        the tracing machine's, and lowering the call for another, as
+        ``jax.export(..., platforms=...)`` can, is refused), "reference",
         "cudnn", "pallas_gpu", "pallas_tpu" or "split" (cuDNN for the global heads,
         "pallas_gpu" for the local ones).
       interpret: run a Pallas backend in Pallas interpret mode (on CPU); for "split" its local
@@ -207,17 +246,19 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
                     has_segments=segment_ids is not None, return_logit_stats=return_logit_stats)
         implementation = choose_implementation(**case)
         primal = choose_primal_implementation(**case)
+        q = _platform_guard_p.bind(q, traced_on=current_platform(), chosen=implementation)
     elif interpret and implementation not in INTERPRET_IMPLEMENTATIONS:
         raise ValueError(
             "interpret: only the Pallas backends and 'split' (its local heads), "
             f"{INTERPRET_IMPLEMENTATIONS}, have an interpret mode; got interpret={interpret!r} "
             f"with implementation={implementation!r}")
-    backend = get_backend(implementation)
-    if primal != implementation:  # a faster forward where nothing differentiates the call
-        backend = directional_backend(get_backend(primal), backend)
-    out, max_abs_logit = backend(
-        q, k, v, window_sizes=windows, segment_ids=segment_ids, scale=scale,
-        return_logit_stats=return_logit_stats, interpret=interpret)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation: expected None or one of {IMPLEMENTATIONS}, got {implementation!r}")
+    call = Call(primal=primal, differentiated=implementation, windows=windows, scale=scale,
+                logit_stats=bool(return_logit_stats), has_segments=segment_ids is not None,
+                interpret=interpret)
+    out, max_abs_logit = attention(call, q, k, v, segment_ids)
     if not return_logit_stats:
         return out
     return out, LogitStats(max_abs_logit=jax.lax.stop_gradient(max_abs_logit.astype(jnp.float32)))

@@ -1,24 +1,39 @@
-"""``ls_attention`` under a device mesh: one kernel call per shard through ``jax.shard_map``.
+"""``ls_attention`` on sharded inputs: one kernel call per shard, under any mesh.
 
 A Pallas kernel is an opaque custom call to XLA's partitioner: left alone under a sharded
-``jit`` its operands are gathered and every device runs the whole batch. Here the call is
-placed inside ``jax.shard_map`` instead:
+``jit``, its operands are gathered and every device runs the whole batch. ``ls_attention``
+instead runs its backend once per shard, the batch and the heads split over whichever mesh
+axes the inputs are sharded along (any names), as ``jax.nn.dot_product_attention``'s cuDNN
+call does:
 
-* the batch axis is split over the mesh's batch axes (default ``("data", "fsdp")``, those
-  present with size > 1),
-* the head axis over the head axis (default ``"tensor"``) when the mesh has it with size > 1;
-  query heads and key/value heads are cut into the same number of contiguous chunks, so GQA's
-  head h -> kv head h // (Hq // Hkv) stays inside a shard,
-* each head shard runs with its own slice of the static per-head window table. The slices can
-  differ (with one global head, shard 0 holds it and the others do not); every distinct slice
-  becomes one branch of a ``lax.switch`` on the shard's index along the head axis, so each
-  shard runs exactly its own static windows (identical slices share one branch; with a single
-  distinct slice there is no switch),
-* the logit statistic ``max_abs_logit`` [Hq] is reduced with ``pmax`` over the batch axes and
-  laid out over the head axis, so the caller sees the same [Hq] vector as without a mesh.
+* **Explicit** axis types (``jax.sharding.AxisType.Explicit``): the sharding is in the inputs'
+  type (``jax.typeof(q).sharding``); the call is a ``jax.shard_map`` over those axes, and
+  autodiff runs the backend's own VJP per shard.
+* **Auto** axis types (XLA's propagation decides the sharding while it compiles): the forward
+  and the backward are each a ``jax.experimental.custom_partitioning`` op with a sharding rule
+  (batch and heads may be split, GQA's kv heads together with their query heads). XLA tells
+  each op the sharding it chose and the op runs per shard. The forward keeps the output and
+  the backend's row statistic (its logsumexp) for the backward where the backend provides that
+  pair (``kernels/residuals.py``); for the other backends the backward runs the forward again
+  per shard. Where ``implementation=None`` pairs a faster forward-only backend with the
+  differentiated one (``kernels/directional.py``), the forward-only op runs the former.
+  "cudnn" partitions itself (JAX's cuDNN call has its own custom partitioning) and is called
+  as it is.
+* otherwise (one device, or inside a ``shard_map`` that already made the call per shard) the
+  backend is called as it is; so is Pallas' TPU interpreter (``interpret=True`` with
+  "pallas_tpu") on Auto axes, since JAX cannot lower its ordered host callbacks inside a
+  custom-partitioned op.
 
-Forward and backward run per shard (the backends' own custom VJPs run inside the map). Without
-a mesh (or a mesh of one device) this is exactly ``ls_attention``.
+Per shard, query heads and kv heads are cut into the same number of contiguous chunks (GQA's
+head h -> kv head h // (Hq // Hkv) stays in its shard); each head shard runs its own slice of
+the static per-head window table (a ``lax.switch`` on the shard's index where slices differ,
+one branch per distinct slice); the logit statistic ``max_abs_logit`` [Hq] is reduced with
+``pmax`` over the batch axes and laid out over the head axes, so the caller sees the same [Hq]
+vector as without a mesh.
+
+Refused with one line: a sequence (T) or head-dim (D) axis split over devices (a split sequence
+needs a ring schedule, which this op does not have; reshard q, k, v to ``P(batch, None, heads,
+None)``), and head shards that do not divide both the query and the kv heads.
 """
 
 from __future__ import annotations
@@ -26,24 +41,66 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor,
+                                                  SdyShardingRule, custom_partitioning)
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ls_jax.kernels.api import LogitStats, ls_attention, normalize_window_sizes
+from ls_jax.kernels.band import WindowSizes
+from ls_jax.kernels.directional import directional_backend
+from ls_jax.kernels.residuals import residual_pair
 
-BATCH_AXES = ("data", "fsdp")
-HEAD_AXIS = "tensor"
-
-
-def _active(mesh, names: Sequence[str]) -> tuple[str, ...]:
-    return tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
+__all__ = ["Call", "Layout", "activation_gathers", "attention", "head_shard_windows",
+           "layout_of", "qkv_gathers"]
 
 
-def _spec_entry(axes: tuple[str, ...]):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
+class Call(NamedTuple):
+    """One validated ``ls_attention`` call, without its arrays (hashable: a static argument).
+
+    primal: the backend of a call that nothing differentiates; differentiated: the backend of a
+    differentiated one (its forward and backward); the two differ only where
+    ``implementation=None`` pairs them (``kernels/dispatch.py``).
+    """
+
+    primal: str
+    differentiated: str
+    windows: WindowSizes
+    scale: float
+    logit_stats: bool
+    has_segments: bool
+    interpret: Any
+
+
+class Layout(NamedTuple):
+    """The mesh axes a call splits its batch over and its heads over (each possibly ())."""
+
+    batch: tuple[str, ...]
+    heads: tuple[str, ...]
+
+    def entry(self, axes):
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    @property
+    def qkv(self) -> P:
+        """[B, T, H, D] arrays: q, k, v, the output and their gradients."""
+        return P(self.entry(self.batch), None, self.entry(self.heads), None)
+
+    @property
+    def segments(self) -> P:
+        return P(self.entry(self.batch), None)
+
+    @property
+    def rows(self) -> P:
+        """[B, H, T]: the backend's row statistic."""
+        return P(self.entry(self.batch), self.entry(self.heads), None)
+
+    @property
+    def stats(self) -> P:
+        """[H]: the logit statistic, reduced over the batch."""
+        return P(self.entry(self.heads))
 
 
 def head_shard_windows(window_sizes, num_shards: int) -> list[tuple[int | None, ...]]:
@@ -52,85 +109,299 @@ def head_shard_windows(window_sizes, num_shards: int) -> list[tuple[int | None, 
     return [tuple(window_sizes[s * per:(s + 1) * per]) for s in range(num_shards)]
 
 
-def shard_plan(mesh, q_shape, kv_heads: int, batch_axes=BATCH_AXES, head_axis=HEAD_AXIS):
-    """(batch mesh axes, head mesh axis or None) this call splits over; ValueError when the
-    shapes do not divide."""
-    B, _, Hq, _ = q_shape
-    batch = _active(mesh, batch_axes)
-    n_batch = math.prod(mesh.shape[a] for a in batch)
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def layout_of(axis_sizes: dict, spec, q_shape, kv_heads: int) -> Layout:
+    """The ``Layout`` of a call whose q is sharded as ``spec`` over a mesh with
+    ``axis_sizes``; ValueError (one line) for what is not split per shard."""
+    B, T, H, D = q_shape
+    spec = tuple(spec) + (None,) * (4 - len(tuple(spec)))
+    batch, seq, heads, dim = (_axes(e) for e in spec)
+    if seq:
+        raise ValueError(
+            f"q: sharded along the sequence axis (T={T}) over mesh axes {seq}; ls_attention "
+            "splits only the batch and the heads (a split sequence needs ring attention): "
+            "reshard q, k, v as P(batch_axes, None, head_axes, None)")
+    if dim:
+        raise ValueError(
+            f"q: sharded along the head dimension (D={D}) over mesh axes {dim}; ls_attention "
+            "splits only the batch and the heads: reshard q, k, v as P(batch_axes, None, "
+            "head_axes, None)")
+    n_batch = math.prod(axis_sizes[a] for a in batch)
     if B % n_batch:
         raise ValueError(
-            f"q: expected a batch divisible by the {n_batch} devices of mesh axes {batch} "
-            f"(batch over {batch_axes}), got batch {B} (shape {tuple(q_shape)})")
-    heads = _active(mesh, (head_axis,)) if head_axis else ()
-    if heads:
-        n_h = mesh.shape[head_axis]
-        if Hq % n_h or kv_heads % n_h:
-            raise ValueError(
-                f"q: expected query heads ({Hq}) and key/value heads ({kv_heads}) divisible by "
-                f"mesh axis {head_axis!r} of size {n_h}")
-    return batch, (heads[0] if heads else None)
+            f"q: expected a batch divisible by the {n_batch} shards of mesh axes {batch}, got "
+            f"batch {B}")
+    n_heads = math.prod(axis_sizes[a] for a in heads)
+    if H % n_heads or kv_heads % n_heads:
+        raise ValueError(
+            f"q: expected query heads ({H}) and key/value heads ({kv_heads}) divisible by the "
+            f"{n_heads} shards of mesh axes {heads}")
+    return Layout(batch, heads)
 
 
-def ls_attention_sharded(q, k, v, window_sizes, *, mesh=None, batch_axes=BATCH_AXES,
-                         head_axis: str | None = HEAD_AXIS, segment_ids=None,
-                         return_logit_stats: bool = False, implementation=None,
-                         interpret=False, **kernel_kwargs):
-    """``ls_attention`` run per shard of ``mesh`` (default: the mesh set by ``jax.set_mesh``).
+# -- one backend call, per shard or whole -------------------------------------------------
 
-    Arguments as ``kernels.ls_attention`` (extra keywords such as the logit scale are passed
-    through); ``batch_axes`` / ``head_axis`` name the mesh axes that split the batch and the
-    heads. The result is the same function of the global arrays as ``ls_attention``.
-    """
-    call = functools.partial(ls_attention, implementation=implementation, interpret=interpret,
-                             **kernel_kwargs)
-    if mesh is None:
-        mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or mesh.size == 1:
-        return call(q, k, v, window_sizes, segment_ids=segment_ids,
-                    return_logit_stats=return_logit_stats)
-    windows = normalize_window_sizes(window_sizes, q.shape[2])
-    batch, head = shard_plan(mesh, q.shape, k.shape[2], batch_axes, head_axis)
-    if not batch and head is None:
-        return call(q, k, v, windows, segment_ids=segment_ids,
-                    return_logit_stats=return_logit_stats)
+def _get_backend(implementation: str):
+    from ls_jax.kernels import api  # api imports this module; looked up per call (tests
+    return api.get_backend(implementation)  # replace api.get_backend)
 
-    slices = head_shard_windows(windows, mesh.shape[head] if head else 1)
+
+def run_backend(call: Call, q, k, v, segment_ids):
+    """(out, max_abs_logit [H] or None) of the call's backend(s) on these (whole) arrays."""
+    backend = _get_backend(call.differentiated)
+    if call.primal != call.differentiated:  # a faster forward where nothing differentiates
+        backend = directional_backend(_get_backend(call.primal), backend)
+    return backend(q, k, v, window_sizes=call.windows, segment_ids=segment_ids,
+                   scale=call.scale, return_logit_stats=call.logit_stats,
+                   interpret=call.interpret)
+
+
+def _head_shard_index(heads: tuple[str, ...], axis_sizes: dict):
+    index = 0
+    for a in heads:  # row-major over the head axes, as a PartitionSpec entry splits
+        index = index * axis_sizes[a] + jax.lax.axis_index(a)
+    return index
+
+
+def _per_shard(fn, call: Call, layout: Layout, axis_sizes: dict, stats_at: int | None):
+    """``fn(call, *arrays) -> tuple`` run with the shard's own window slice; the output at
+    ``stats_at`` (the logit statistic) reduced over the batch axes."""
+    slices = head_shard_windows(call.windows, math.prod(axis_sizes[a] for a in layout.heads))
     distinct = list(dict.fromkeys(slices))
-    branch_of_shard = [distinct.index(s) for s in slices]
 
-    def per_shard(q, k, v, *seg):
-        seg = seg[0] if seg else None
-
-        def run(ws):
-            if not return_logit_stats:
-                return call(q, k, v, ws, segment_ids=seg), jnp.zeros((len(ws),), jnp.float32)
-            out, stats = call(q, k, v, ws, segment_ids=seg, return_logit_stats=True)
-            return out, stats.max_abs_logit
-
+    def body(*arrays):
         if len(distinct) == 1:
-            out, max_abs_H = run(distinct[0])
-        else:  # each head shard runs its own static windows
-            idx = jnp.asarray(branch_of_shard, jnp.int32)[jax.lax.axis_index(head)]
-            out, max_abs_H = jax.lax.switch(idx, [functools.partial(run, ws) for ws in distinct])
-        if batch and return_logit_stats:
-            max_abs_H = jax.lax.pmax(max_abs_H, batch)
-        return out, jax.lax.stop_gradient(max_abs_H)
+            outs = fn(call._replace(windows=distinct[0]), *arrays)
+        else:
+            branch_of_shard = jnp.asarray([distinct.index(s) for s in slices], jnp.int32)
+            branch = branch_of_shard[_head_shard_index(layout.heads, axis_sizes)]
+            outs = jax.lax.switch(
+                branch, [functools.partial(fn, call._replace(windows=s)) for s in distinct],
+                *arrays)
+        outs = tuple(outs)
+        if stats_at is not None and layout.batch:
+            outs = (outs[:stats_at] + (jax.lax.pmax(outs[stats_at], layout.batch),)
+                    + outs[stats_at + 1:])
+        return outs
 
-    qkv_spec = P(_spec_entry(batch), None, head, None)
-    args, in_specs = (q, k, v), (qkv_spec,) * 3
+    return body
+
+
+# -- Explicit axes: shard_map from the inputs' types --------------------------------------
+
+def _explicit(call: Call, mesh, layout: Layout, q, k, v, segment_ids):
+    def run(call, q, k, v, *seg):
+        out, stats = run_backend(call, q, k, v, seg[0] if seg else None)
+        return (out, stats) if call.logit_stats else (out,)
+
+    args, in_specs = [q, k, v], [layout.qkv] * 3
     if segment_ids is not None:
-        args, in_specs = args + (segment_ids,), in_specs + (P(_spec_entry(batch), None),)
-    manual = frozenset(batch + ((head,) if head else ()))
-    if all(mesh.shape[a] == 1 for a in mesh.axis_names if a not in manual):
-        manual = frozenset(mesh.axis_names)  # fully manual: Pallas interpret's callbacks need it
-    fn = jax.shard_map(per_shard, mesh=mesh, axis_names=manual, in_specs=in_specs,
-                       out_specs=(qkv_spec, P(head)), check_vma=False)
-    out, max_abs_H = fn(*args)
-    if not return_logit_stats:
-        return out
-    return out, LogitStats(max_abs_logit=max_abs_H)
+        args, in_specs = args + [segment_ids], in_specs + [layout.segments]
+    args = [jax.sharding.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs)]
+    out_specs = (layout.qkv, layout.stats) if call.logit_stats else (layout.qkv,)
+    body = _per_shard(run, call, layout, dict(mesh.shape), 1 if call.logit_stats else None)
+    outs = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
+                         check_vma=False)(*args)
+    return outs[0], (outs[1] if call.logit_stats else None)
 
+
+# -- Auto axes: custom-partitioned forward and backward ------------------------------------
+
+class _Op(NamedTuple):
+    """A custom-partitioned op: role "primal" (the forward-only backend: out, [stats]),
+    "forward" (the differentiated backend: out, [stats], [row statistic]) or "backward"
+    (q, k, v, [seg], [out, row statistic], dO -> dq, dk, dv)."""
+
+    call: Call
+    role: str
+
+    @property
+    def saves_rows(self) -> bool:
+        return residual_pair(self.call.differentiated) is not None
+
+    @property
+    def stats_at(self) -> int | None:
+        return 1 if self.role != "backward" and self.call.logit_stats else None
+
+
+def _run_op(op: _Op, *arrays):
+    """The op's computation on whole arrays (per shard: the shard's arrays and windows)."""
+    call = op.call
+    n_in = 4 if call.has_segments else 3
+    q, k, v = arrays[:3]
+    seg = arrays[3] if call.has_segments else None
+    opts = dict(window_sizes=call.windows, segment_ids=seg, scale=call.scale,
+                interpret=call.interpret)
+    if op.role == "primal":
+        out, stats = run_backend(call._replace(differentiated=call.primal), q, k, v, seg)
+        return (out, stats) if call.logit_stats else (out,)
+    pair = residual_pair(call.differentiated)
+    if op.role == "forward":
+        if pair is None:
+            out, stats = run_backend(call._replace(primal=call.differentiated), q, k, v, seg)
+            return (out, stats) if call.logit_stats else (out,)
+        out, rows, stats = pair.forward(q, k, v, return_logit_stats=call.logit_stats, **opts)
+        return (out, stats, rows) if call.logit_stats else (out, rows)
+    do = arrays[-1]
+    if pair is not None:
+        out, rows = arrays[n_in:n_in + 2]
+        return tuple(pair.backward(q, k, v, out, rows, do, **opts))
+    backend = _get_backend(call.differentiated)
+    _, pullback = jax.vjp(lambda q, k, v: backend(q, k, v, return_logit_stats=False,
+                                                  **opts)[0], q, k, v)
+    return tuple(pullback(do))
+
+
+def _op_impl(op: _Op, *arrays):
+    # jit: custom_partitioning takes a function whose jaxpr has no constants
+    return jax.jit(_run_op, static_argnums=0)(op, *arrays)
+
+
+def _sharding_rule(op: _Op, mesh, value_types, result_types):
+    del mesh, result_types
+    H, G = value_types[0].shape[2], value_types[1].shape[2]
+    heads = CompoundFactor("g", "r") if H != G else "g"  # query head h reads kv head h // r
+    q = ArrayMapping("b", "t", heads, "d")
+    kv = ArrayMapping("b", "s", "g", "d")
+    rows = ArrayMapping("b", heads, "t")
+    inputs = [q, kv, kv] + ([ArrayMapping("b", "t")] if op.call.has_segments else [])
+    if op.role == "backward":
+        inputs += ([q, rows] if op.saves_rows else []) + [q]
+        outputs = [q, kv, kv]
+    else:
+        outputs = [q] + ([ArrayMapping(heads)] if op.call.logit_stats else [])
+        outputs += [rows] if op.role == "forward" and op.saves_rows else []
+    sizes = {"r": H // G} if H != G else {}
+    return SdyShardingRule(tuple(inputs), tuple(outputs), **sizes)
+
+
+def _partition(op: _Op, mesh, arg_shapes, result_shape):
+    del result_shape
+    q, k = arg_shapes[0], arg_shapes[1]
+    sharding = q.sharding
+    if not isinstance(sharding, NamedSharding):
+        raise ValueError(
+            "q: ls_attention on several devices needs NamedSharding inputs or a mesh set with "
+            f"jax.set_mesh, got {type(sharding).__name__}")
+    layout = layout_of(dict(mesh.shape), sharding.spec, q.shape, k.shape[2])
+    call = op.call
+    ins = [layout.qkv] * 3 + ([layout.segments] if call.has_segments else [])
+    if op.role == "backward":
+        ins += ([layout.qkv, layout.rows] if op.saves_rows else []) + [layout.qkv]
+        outs = [layout.qkv] * 3
+    else:
+        outs = [layout.qkv] + ([layout.stats] if call.logit_stats else [])
+        outs += [layout.rows] if op.role == "forward" and op.saves_rows else []
+    body = _per_shard(lambda c, *a: _run_op(op._replace(call=c), *a), call, layout,
+                      dict(mesh.shape), op.stats_at)
+    named = lambda specs: tuple(NamedSharding(mesh, s) for s in specs)  # noqa: E731
+    return mesh, body, named(outs), named(ins)
+
+
+_partitioned_op = custom_partitioning(_op_impl, static_argnums=(0,))
+_partitioned_op.def_partition(partition=_partition, sharding_rule=_sharding_rule)
+
+
+def _apply(op: _Op, *arrays):
+    """The partitioned op; under ``jax.vmap`` the mapped axis joins the batch axis (the op
+    has no batching rule of its own)."""
+
+    @jax.custom_batching.custom_vmap
+    def apply(*arrays):
+        return tuple(_partitioned_op(op, *arrays))
+
+    @apply.def_vmap
+    def apply_vmap(axis_size, in_batched, *arrays):
+        if op.stats_at is not None:
+            raise NotImplementedError(
+                "return_logit_stats: not supported under jax.vmap on several devices (the "
+                "statistic is a max over the batch); call ls_attention on the whole batch")
+        arrays = [x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
+                  for x, b in zip(arrays, in_batched)]
+        outs = _apply(op, *(x.reshape((-1,) + x.shape[2:]) for x in arrays))
+        return (tuple(y.reshape((axis_size, -1) + y.shape[1:]) for y in outs),
+                (True,) * len(outs))
+
+    return apply(*arrays)
+
+
+# Backends that partition themselves: "cudnn" is jax.nn.dot_product_attention's cuDNN call,
+# custom-partitioned by JAX (batch and heads), its statistic pass plain JAX.
+SELF_PARTITIONING = ("cudnn",)
+
+
+def _auto(call: Call, q, k, v, segment_ids):
+    if call.differentiated in SELF_PARTITIONING:
+        if call.primal == call.differentiated:
+            return run_backend(call, q, k, v, segment_ids)
+
+        def primal(q, k, v, *, segment_ids, **_):  # our forward, partitioned by the op
+            return _auto(call._replace(differentiated=call.primal), q, k, v, segment_ids)
+
+        backend = directional_backend(primal, _get_backend(call.differentiated))
+        return backend(q, k, v, window_sizes=call.windows, segment_ids=segment_ids,
+                       scale=call.scale, return_logit_stats=call.logit_stats,
+                       interpret=call.interpret)
+    arrays = (q, k, v) + ((segment_ids,) if segment_ids is not None else ())
+    forward = _Op(call, "forward")
+
+    @jax.custom_vjp
+    def attend(*arrays):
+        return _apply(_Op(call, "primal"), *arrays)
+
+    def attend_fwd(*arrays):
+        outs = _apply(forward, *arrays)
+        rows = outs[-1:] if forward.saves_rows else ()
+        primal_outs = outs[:-1] if forward.saves_rows else outs
+        return primal_outs, (arrays, outs[0], rows)
+
+    def attend_bwd(saved, cotangents):
+        arrays, out, rows = saved
+        do = cotangents[0].astype(arrays[0].dtype)
+        saved_out = (out,) + rows if rows else ()
+        grads = _apply(_Op(call, "backward"), *arrays, *saved_out, do)
+        return tuple(grads) + ((None,) if call.has_segments else ())
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    outs = attend(*arrays)
+    return outs[0], (outs[1] if call.logit_stats else None)
+
+
+# -- which path ------------------------------------------------------------------------------
+
+def attention(call: Call, q, k, v, segment_ids):
+    """(out, max_abs_logit [H] or None) of ``call`` on q, k, v, split per shard where the
+    inputs are sharded (this module's docstring)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.manual_axes:  # inside a shard_map: the caller's program is already per shard
+        return run_backend(call, q, k, v, segment_ids)
+    sharding = jax.typeof(q).sharding
+    q_mesh = getattr(sharding, "mesh", None)
+    if q_mesh is not None and not q_mesh.empty and q_mesh.explicit_axes:
+        spec = tuple(sharding.spec)
+        if any(_axes(e) for e in spec):
+            layout = layout_of(dict(q_mesh.shape), spec, q.shape, k.shape[2])
+            return _explicit(call, q_mesh, layout, q, k, v, segment_ids)
+        if not q_mesh.auto_axes:
+            return run_backend(call, q, k, v, segment_ids)
+    if jax.device_count() == 1 or _tpu_interpreter(call):
+        return run_backend(call, q, k, v, segment_ids)
+    return _auto(call, q, k, v, segment_ids)
+
+
+def _tpu_interpreter(call: Call) -> bool:
+    """True where the call runs Pallas' TPU interpreter, whose ordered host callbacks JAX
+    cannot lower inside a custom-partitioned op (it runs unsplit on Auto axes; Explicit axes
+    and ``shard_map`` split it)."""
+    return bool(call.interpret) and "pallas_tpu" in (call.primal, call.differentiated)
+
+
+# -- checks on compiled programs --------------------------------------------------------------
 
 _HLO_SHAPE = re.compile(r"[a-z]+[0-9]*\[([0-9,]*)\]")
 _HLO_ALL_GATHER = re.compile(r"=\s*(.*?)\s+all-gather(?:-start)?\(")
@@ -145,7 +416,7 @@ def activation_gathers(hlo_text: str, seq_len: int, last_dims=None) -> list[str]
     found = []
     for line in hlo_text.splitlines():
         if "all-gather" not in line:  # the regex is slow on a long line with many "=" (a
-            continue  # Mosaic GPU custom call's module: it hung bench/scaling.py, run O)
+            continue  # Mosaic GPU custom call's module inline)
         m = _HLO_ALL_GATHER.search(line)
         if m is None:
             continue

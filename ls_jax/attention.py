@@ -3,8 +3,8 @@
 Heads ``0 .. n_global_heads - 1`` attend causally to every earlier token; the rest attend to the
 last ``window`` tokens (query i sees keys i - window < j <= i). With ``n_global_heads ==
 n_head`` it is plain causal multi-head self-attention. The attention itself is one call of
-``kernels.ls_attention`` for all heads, which picks the Pallas kernel for the platform (under a
-mesh, one call per shard: kernels/sharded.py).
+``kernels.ls_attention`` for all heads, which picks the Pallas kernel for the platform (on
+sharded inputs, one call per shard: kernels/sharded.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from flax import nnx
 from ls_jax.kernels import ls_attention, normalize_window_sizes
 from ls_jax.kernels.decode import cached_attention
 from ls_jax.kernels.heads import take_heads
-from ls_jax.kernels.sharded import ls_attention_sharded
 from ls_jax.kv_cache import (CacheLayout, LayerCache, global_positions, ring_positions,
                              update_ring, write_global)
 from ls_jax.rope import apply_rope
@@ -209,8 +208,8 @@ def attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, o_proj, window_sizes, *, q_norm, k_n
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     q_BxTxHxD, k_BxTxGxD = norm_and_rope(q_BxTxHxD, k_BxTxGxD, positions, q_norm=q_norm,
                                          k_norm=k_norm, rope_theta=rope_theta, dtype=dtype)
-    # one kernel call per shard when a mesh is set (jax.set_mesh); otherwise ls_attention
-    result = ls_attention_sharded(
+    # one kernel call per shard on sharded inputs (kernels/sharded.py)
+    result = ls_attention(
         q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, window_sizes, segment_ids=segment_ids,
         return_logit_stats=return_logit_stats, implementation=implementation)
     out_BxTxHxD = result[0] if return_logit_stats else result

@@ -61,8 +61,8 @@ def mesh_shape(mcfg: MeshConfig, n_devices: int) -> tuple[int, int, int]:
 def make_mesh(mcfg: MeshConfig | None = None, devices=None) -> jax.sharding.Mesh:
     """A (data, fsdp, tensor) mesh over ``devices`` (default: every device of every process).
 
-    Axes are Auto: XLA propagates shardings and inserts the collectives; the attention kernel is
-    placed per shard explicitly (kernels/sharded.py).
+    Axes are Auto: XLA propagates shardings and inserts the collectives; the attention kernel
+    partitions itself along the batch and head shardings it is given (kernels/sharded.py).
     """
     mcfg = mcfg or MeshConfig()
     devices = jax.devices() if devices is None else list(devices)

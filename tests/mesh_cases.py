@@ -11,6 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 
 def micro(*overrides):
@@ -27,76 +28,16 @@ def micro(*overrides):
     return cfg.override(list(overrides))
 
 
-def case_kernels(impls: str):
-    """case_kernel for each comma-separated backend, and a negative control for the gather
-    check: a step that does gather a batch-sharded q must be caught."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from ls_jax.kernels.sharded import qkv_gathers
-    out = {impl: case_kernel(impl) for impl in impls.split(",")}
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    q = jax.device_put(jnp.ones((8, 40, 4, 8)), NamedSharding(mesh, P("data")))
-    gather = jax.jit(lambda q: jnp.sum(
-        jax.lax.with_sharding_constraint(q, NamedSharding(mesh, P())), axis=0))
-    out["control_gathers"] = len(qkv_gathers(gather.lower(q).compile().as_text(), 40, 4, 8))
-    return out
-
-
-def case_kernel(impl: str):
-    """ls_attention_sharded on a data x tensor mesh against ls_attention on one device: output,
-    logit statistics and gradients; every head shard holds a different window slice."""
-    from ls_jax.config import MeshConfig
-    from ls_jax.kernels import ls_attention
-    from ls_jax.kernels.sharded import ls_attention_sharded
-    from ls_jax.sharding import make_mesh
-    interpret = impl != "reference"
-    B, T, H, D = 4, 32, 4, 8
-    windows = (None, 3, 8, 16)  # tensor=4: one head per shard, four different windows
-    kq, kk, kv, kd = jax.random.split(jax.random.key(1), 4)
-    q = jax.random.normal(kq, (B, T, H, D))
-    k = jax.random.normal(kk, (B, T, 2, D))  # GQA: 2 kv heads
-    v = jax.random.normal(kv, (B, T, 2, D))
-    do = jax.random.normal(kd, (B, T, H, D))
-    seg = jnp.asarray(np.repeat([[0] * 20 + [1] * 12], B, axis=0), jnp.int32)
-    out = {}
-    meshes = [("tensor2", MeshConfig(data=4, tensor=2)), ("tensor4", MeshConfig(data=2, tensor=4))]
-    if interpret:  # slow in interpret mode: the GQA mesh only (its two shards differ too)
-        meshes = meshes[:1]
-    for name, mcfg in meshes:
-        if name == "tensor4":  # kv heads (2) do not split 4 ways: expand them for this mesh
-            k_, v_ = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
-        else:
-            k_, v_ = k, v
-
-        def loss(q, k, v, fn):
-            o, stats = fn(q, k, v, windows, segment_ids=seg, return_logit_stats=True,
-                          implementation=impl, interpret=interpret)
-            return jnp.sum(o * do), (o, stats.max_abs_logit)
-
-        grad = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
-        (_, (o0, m0)), g0 = jax.jit(grad, static_argnums=3)(q, k_, v_, ls_attention)
-        mesh = make_mesh(mcfg)
-        with jax.set_mesh(mesh):
-            (_, (o1, m1)), g1 = jax.jit(grad, static_argnums=3)(q, k_, v_, ls_attention_sharded)
-        out[name] = {
-            "out": float(jnp.max(jnp.abs(o0 - o1))),
-            "stats": float(jnp.max(jnp.abs(m0 - m1))),
-            "grads": max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(g0, g1)),
-            "out_spec": str(o1.sharding.spec),
-        }
-    return out
-
-
 def case_directional():
-    """ls_attention_sharded with implementation=None on a (pretended) Hopper GPU, data x tensor
-    mesh, every head global: the forward alone runs the primal backend per shard, jax.grad the
+    """ls_attention with implementation=None on a (pretended) Hopper GPU, inputs split over a
+    data x tensor mesh, every head global: the forward alone runs the primal backend per shard, jax.grad the
     differentiated one (its own forward and backward). Stand-ins scale the reference's output
     (primal x2, differentiated x3) so the numbers tell which ran."""
     from ls_jax.config import MeshConfig
     from ls_jax.kernels import api, dispatch
+    from ls_jax.kernels import ls_attention
     from ls_jax.kernels.pallas_gpu import heuristics
     from ls_jax.kernels.reference import reference_backend
-    from ls_jax.kernels.sharded import ls_attention_sharded
     from ls_jax.sharding import make_mesh
     from stand_in_backends import scaled_get_backend  # tests/, beside this script
     traced = []
@@ -117,9 +58,11 @@ def case_directional():
         return jnp.sum(attend(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
 
     def sharded(q, k, v):
-        return ls_attention_sharded(q, k, v, windows)
+        return ls_attention(q, k, v, windows)
 
-    with jax.set_mesh(make_mesh(MeshConfig(data=4, tensor=2))):
+    mesh = make_mesh(MeshConfig(data=4, tensor=2))
+    with jax.set_mesh(mesh):
+        q, k, v = (jax.device_put(x, P("data", None, "tensor")) for x in (q, k, v))
         out = jax.jit(sharded)(q, k, v)
         forward_traced = list(traced)
         traced.clear()
@@ -163,8 +106,8 @@ def case_train(impl: str, meshes: str):
         import functools
 
         from ls_jax import attention
-        from ls_jax.kernels.sharded import ls_attention_sharded
-        attention.ls_attention_sharded = functools.partial(ls_attention_sharded, interpret=True)
+        from ls_jax.kernels import ls_attention
+        attention.ls_attention = functools.partial(ls_attention, interpret=True)
     out = {"devices": jax.device_count(), "losses": {}}
     mesh_specs = meshes.split(",")
     for mesh_spec in mesh_specs:

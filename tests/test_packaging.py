@@ -23,7 +23,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = ("ls-jax-train", "ls-jax-eval", "ls-jax-sample")
 # [train]-only packages: the core import path must not need them.
-TRAIN_ONLY = ("grain", "tensorflow_datasets", "sentencepiece", "tensorboardX", "tqdm", "matplotlib")
+TRAIN_ONLY = ("grain", "tensorflow_datasets", "sentencepiece", "tensorboardX", "tqdm", "matplotlib",
+              "safetensors")
 
 CHECK = textwrap.dedent("""
     import importlib.abc, json, sys
@@ -80,6 +81,7 @@ def test_wheel_installs_beside_other_kernels_and_configs(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert not [n for n in names if n.split("/")[0] in ("kernels", "configs")], names
     assert "ls_jax/kernels/api.py" in names and "ls_jax/configs/paper.py" in names
+    assert "ls_jax/py.typed" in names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     entry_points = zipfile.ZipFile(wheel).read(entry_points).decode()
     for script in SCRIPTS:
@@ -119,10 +121,19 @@ def test_wheel_installs_beside_other_kernels_and_configs(tmp_path):
     proc = subprocess.run([str(venv / "bin" / "ls-jax-eval"), "--help"], cwd=outside, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "section.key=value" in proc.stdout, proc.stderr[-3000:]
-    # without the [train] extra: one line naming it, non-zero exit
-    blocked = CHECK[:CHECK.index("import configs, kernels")] + "import ls_jax.configs.cli\n"
+    # without the [train] extra: importing the CLI and --help work; a command that runs ends
+    # with one line naming the extra, non-zero exit
+    blocked = CHECK[:CHECK.index("import configs, kernels")] + textwrap.dedent("""
+        import ls_jax.configs.cli as cli
+        try:
+            cli.train_main(["--help"])
+        except SystemExit as e:
+            assert e.code == 0, e.code
+        cli.train_main(["--config", "tiny"])
+    """)
     proc = subprocess.run([py, "-c", f"TRAIN_ONLY = {TRAIN_ONLY!r}\n" + blocked], cwd=outside,
                           env=env, capture_output=True, text=True, timeout=300)
+    assert "usage:" in proc.stdout, proc.stdout
     assert proc.returncode == 1 and proc.stderr.strip().startswith(
         "error: training and evaluation need the [train] extra (missing module"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

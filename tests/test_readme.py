@@ -33,3 +33,15 @@ def test_configs_named_in_readme_exist():
     makefile = open(os.path.join(ROOT, "Makefile")).read()
     for target in set(re.findall(r"^make (\w+)", README, re.M)):
         assert re.search(rf"^{target}:", makefile, re.M), target
+
+
+def _block(marker: str) -> str:
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if marker in b]
+    return block
+
+
+def test_export_example_runs():
+    namespace: dict = {}
+    exec(compile(_block("from ls_jax.export import export"), "README.md", "exec"), namespace)
+    assert namespace["exported_tpu"].platforms == ("tpu",)
+    assert namespace["exported_gpu"].platforms == ("cuda",)

@@ -1,5 +1,6 @@
-"""Many devices: the kernel per shard, the model and optimizer state sharded over a (data,
-fsdp, tensor) mesh, resharding restore, and two processes stopping together.
+"""Many devices: the model and optimizer state sharded over a (data, fsdp, tensor) mesh (the
+kernel per shard: tests/test_partitioning.py), resharding restore, and two processes stopping
+together.
 
 The multi-device cases run in subprocesses with fake CPU devices (tests/mesh_cases.py), since
 XLA_FLAGS must be set before JAX starts."""
@@ -20,7 +21,7 @@ import pytest
 from jax.sharding import AbstractMesh
 
 from ls_jax.config import MeshConfig
-from ls_jax.kernels.sharded import head_shard_windows, qkv_gathers, shard_plan
+from ls_jax.kernels.sharded import head_shard_windows, qkv_gathers
 from ls_jax.sharding import logical_to_spec, mesh_shape
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -70,15 +71,6 @@ def test_head_shards_get_their_own_window_slices():
     assert head_shard_windows(windows, 1) == [windows]
 
 
-def test_shard_plan_names_the_axes_and_rejects_what_does_not_divide():
-    mesh = AbstractMesh((2, 1, 2), ("data", "fsdp", "tensor"))
-    assert shard_plan(mesh, (4, 32, 4, 8), 2) == (("data",), "tensor")
-    with pytest.raises(ValueError, match=r"q: expected a batch divisible by the 2 devices"):
-        shard_plan(mesh, (3, 32, 4, 8), 2)
-    with pytest.raises(ValueError, match=r"key/value heads \(1\) divisible by mesh axis 'tensor'"):
-        shard_plan(mesh, (4, 32, 4, 8), 1)
-
-
 def test_qkv_gather_check_reads_hlo_lines():
     hlo = ("  %all-gather.1 = f32[8,48,4,8]{3,2,1,0} all-gather(%p), dimensions={0}\n"
            "  %all-gather.2 = f32[256,40]{1,0} all-gather(%w), dimensions={0}\n"
@@ -93,23 +85,8 @@ def test_qkv_gather_check_reads_hlo_lines():
 
 # -- 8 fake devices -------------------------------------------------------------------------
 
-def test_kernel_per_shard_matches_one_device():
-    """The reference and a Pallas kernel in interpret mode (the GPU one: the per-shard wrapper
-    is the same for every backend, and the TPU interpreter is the slowest on CPU) on a data x
-    tensor mesh where each head shard holds different windows: output, logit stats and
-    gradients as on one device; a step that does gather q is caught by the HLO check."""
-    r = _result(_start(8, "kernels", "reference,pallas_gpu"))
-    assert set(r["reference"]) == {"tensor2", "tensor4"}
-    for impl in ("reference", "pallas_gpu"):
-        for mesh, got in r[impl].items():
-            assert got["out"] < 1e-5 and got["grads"] < 1e-5, (impl, mesh, got)
-            assert got["stats"] < 1e-5, (impl, mesh, got)
-            assert got["out_spec"] == "P('data', None, 'tensor')"
-    assert r["control_gathers"] >= 1
-
-
-def test_dispatch_by_direction_under_shard_map():
-    """implementation=None's pairing (kernels/directional.py) inside shard_map: per shard, the
+def test_dispatch_by_direction_per_shard():
+    """implementation=None's pairing (kernels/directional.py) on sharded inputs: per shard, the
     forward-only program runs the primal backend and the gradient program the differentiated
     one, output and gradients as on one device (stand-in backends, tests/mesh_cases.py)."""
     r = _result(_start(8, "directional"))

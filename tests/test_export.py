@@ -1,0 +1,81 @@
+"""``jax.export`` for "cuda" and "tpu" from this CPU machine (ls_jax/export.py): the op and a
+model lower to our kernels' custom calls (Pallas' Triton/Mosaic lowering runs; the GPU/TPU
+compilers do not); ``implementation=None`` is refused for another platform than the tracing
+machine's, with one line."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from ls_jax.config import ModelConfig
+from ls_jax.export import KERNEL_CUSTOM_CALLS, export
+from ls_jax.kernels import ls_attention
+from ls_jax.model import Transformer
+
+GPU = "NVIDIA H100 80GB HBM3"  # the target a CPU machine names for the GPU lowering
+IMPL = {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}
+
+
+def _targets(exported) -> list[str]:
+    return re.findall(r'call_target_name = "([^"]+)"|stablehlo.custom_call @([^(\s]+)',
+                      exported.mlir_module())
+
+
+def _kernel_calls(exported, platform: str) -> int:
+    return sum(1 for pair in _targets(exported) for t in pair
+               if t in KERNEL_CUSTOM_CALLS[platform])
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"], ids=["to_cuda", "to_tpu"])  # "tpu" alone is a marker name
+def test_the_op_forward_and_backward_lower_to_our_kernels(platform):
+    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = ls_attention(q, k, v, (None, 9, 9, 130), implementation=IMPL[platform])
+        return jnp.sum(out.astype(jnp.float32))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    exported = export(step, platforms=(platform,), gpu=GPU)(q, kv, kv)
+    assert exported.platforms == (platform,)
+    assert _kernel_calls(exported, platform) >= 3  # forward, and dQ and dK/dV
+    assert [a.shape for a in exported.out_avals] == [(), q.shape, kv.shape, kv.shape]
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"], ids=["to_cuda", "to_tpu"])  # "tpu" alone is a marker name
+def test_a_model_lowers_to_our_kernels_once_per_layer(platform):
+    cfg = ModelConfig(vocab_size=64, n_layer=2, d_model=64, n_head=4, head_dim=16, window=8,
+                      max_seq_len=128, attn_implementation=IMPL[platform])
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+
+    @jax.jit
+    def logits(state, tokens):
+        return nnx.merge(graphdef, state)(tokens)
+
+    tokens = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+    exported = export(logits, platforms=(platform,), gpu=GPU)(state, tokens)
+    assert _kernel_calls(exported, platform) == cfg.n_layer
+    assert exported.out_avals[0].shape == (2, 128, 64)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"], ids=["to_cuda", "to_tpu"])  # "tpu" alone is a marker name
+def test_implementation_none_is_refused_for_another_platform(platform):
+    q = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
+    f = jax.jit(lambda q: ls_attention(q, q, q, (None, 9)))
+    with pytest.raises(ValueError, match=(
+            r"implementation: None chose 'reference' for 'cpu', the platform of the machine "
+            rf"that traced the call, but the program is lowered for \('{platform}',\)")):
+        export(f, platforms=(platform,), gpu=GPU)(q)
+    assert export(f, platforms=("cpu",))(q).platforms == ("cpu",)
+
+
+def test_bad_arguments_are_one_line():
+    with pytest.raises(ValueError, match="platforms: expected a tuple of platform names"):
+        export(jax.jit(lambda x: x), platforms=())
+    with pytest.raises(ValueError, match="gpu: expected a device kind"):
+        export(jax.jit(lambda x: x), platforms=("cuda",), gpu="")

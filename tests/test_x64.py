@@ -17,8 +17,6 @@ WINDOWS = (None, 3, 9, None)
 # Kernels whose x64 fix their owners have pending (each xfail is strict: the fix makes it
 # pass, and then its entry goes)
 PENDING = {
-    "pallas_gpu": "lax.div(item, num_slots) and lax.div(h, group) mix int32 and int64 in the "
-                  "Triton kernels (pallas_gpu forward/backward/decode): the lead's fix",
     "pallas_tpu": "lax.div int32/int64 in pallas_tpu: its owner's fix",
 }
 

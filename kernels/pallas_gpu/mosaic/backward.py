@@ -123,7 +123,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, rows_ref, dq_ref, delta_out
             # would be captured and does not lower)
             ok_QxK = (tile_allowed(q_first, j * block_k, block_q, block_k, window)
                       if masked else None)
-            if interpret:  # one product at a time (see ``mosaic_ring.mma``)
+            if interpret:  # one product at a time (see ``ring.mma``)
                 p_QxK = probabilities(mma(None, q_smem, k_block, transpose_b=True,
                                           interpret=True), ok_QxK)
                 plgpu.barrier_wait(v_loaded.at[slot])
@@ -262,7 +262,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
                                  k_first + tile_iota(block_k, block_q, 0),
                                  window_r) if masked else None
                 plgpu.barrier_wait(do_loaded.at[slot])
-                if interpret:  # one product at a time (see ``mosaic_ring.mma``)
+                if interpret:  # one product at a time (see ``ring.mma``)
                     dk_KxD, dv_KxD = grads[:2]
                     pT_KxQ = probabilities(mma(None, k_smem, q_block, transpose_b=True,
                                                interpret=True), ok_KxQ, slot)

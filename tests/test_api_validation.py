@@ -15,7 +15,7 @@ W = (None, 3, 3, 3)
     ((q, jnp.zeros((2, 8, 2)), jnp.zeros((2, 8, 2)), W), {}, r"k: expected rank 4.*got rank 3"),
     ((q, kv, jnp.zeros((2, 8, 2, 8)), W), {}, r"k and v: expected the same shape"),
     ((q, jnp.zeros((2, 9, 2, 16)), jnp.zeros((2, 9, 2, 16)), W), {}, r"k: expected shape \[B=2, T=8, Hkv, D=16\]"),
-    ((q, jnp.zeros((2, 8, 3, 16)), jnp.zeros((2, 8, 3, 16)), W), {}, r"k: expected a number of kv heads that divides the query heads Hq=4, got Hkv=3"),
+    ((q, jnp.zeros((2, 8, 3, 16)), jnp.zeros((2, 8, 3, 16)), W), {}, r"k heads \(Hkv\): expected a divisor of the query heads Hq=4, got 3"),
     ((q, kv, kv, (None, 3, 3)), {}, r"window_sizes: expected one entry per query head \(4\), got 3"),
     ((q, kv, kv, (None, 0, 3, 3)), {}, r"window_sizes\[1\]: expected an int >= 1 or None, got 0"),
     ((q, kv, kv, (None, 2.5, 3, 3)), {}, r"window_sizes\[1\]: expected an int >= 1 or None, got 2.5"),

@@ -10,7 +10,7 @@ from flax import nnx
 
 from ls_jax.attention import LSAttention, partitioned
 from ls_jax.config import ModelConfig
-from ls_jax.kv_cache import KVCache, init_cache
+from ls_jax.kv_cache import CacheStep, KVCache, LayerCache, init_cache
 from ls_jax.sharding import constrain_batch
 
 # model.remat -> what a block keeps for its backward pass (None: no checkpointing)
@@ -63,26 +63,25 @@ class Block(nnx.Module):
         self.compute_dtype = _dtype(cfg.compute_dtype)
 
     def __call__(self, x_BxTxM, *, positions=None, segment_ids=None,
-                 return_logit_stats: bool = False):
-        """Returns x, or (x, max_abs_logit_H) with ``return_logit_stats`` (the attention
-        kernel computes the statistics only then)."""
-        attn = self.attn(self.ln1(x_BxTxM).astype(self.compute_dtype), positions=positions,
-                         segment_ids=segment_ids, return_logit_stats=return_logit_stats)
-        h_BxTxM, max_abs_logit_H = attn if return_logit_stats else (attn, None)
-        x_BxTxM = x_BxTxM + h_BxTxM
-        x_BxTxM = x_BxTxM + self.mlp(self.ln2(x_BxTxM).astype(self.compute_dtype))
-        if return_logit_stats:
-            return x_BxTxM, max_abs_logit_H
-        return x_BxTxM
+                 return_logit_stats: bool = False, cache: LayerCache | None = None,
+                 step: CacheStep | None = None):
+        """Returns (x, max_abs_logit_H or None, the updated LayerCache or None).
 
-    def decode(self, x_BxCxM, cache, **kw):
-        """Like ``__call__`` for C new tokens per row, reading and writing this layer's KV cache
-        (see ``LSAttention.attend_cached``). Returns (x, the updated LayerCache)."""
-        h_BxCxM, cache = self.attn.attend_cached(
-            self.ln1(x_BxCxM).astype(self.compute_dtype), cache, **kw)
-        x_BxCxM = x_BxCxM + h_BxCxM
-        x_BxCxM = x_BxCxM + self.mlp(self.ln2(x_BxCxM).astype(self.compute_dtype))
-        return x_BxCxM, cache
+        The statistics come with ``return_logit_stats`` (the attention kernel computes them
+        only then); with ``cache`` and ``step`` the tokens at ``positions`` attend over this
+        layer's KV cache and are written into it (``LSAttention.__call__``).
+        """
+        h = self.attn(self.ln1(x_BxTxM).astype(self.compute_dtype), positions=positions,
+                      segment_ids=segment_ids, return_logit_stats=return_logit_stats,
+                      cache=cache, step=step)
+        stats_H = None
+        if cache is not None:
+            h, cache = h
+        elif return_logit_stats:
+            h, stats_H = h
+        x_BxTxM = x_BxTxM + h
+        x_BxTxM = x_BxTxM + self.mlp(self.ln2(x_BxTxM).astype(self.compute_dtype))
+        return x_BxTxM, stats_H, cache
 
 
 class Transformer(nnx.Module):
@@ -132,16 +131,14 @@ class Transformer(nnx.Module):
         policy = REMAT_POLICIES[cfg.remat]
         for block in self.blocks:
             if policy is None:
-                out = block(x_BxTxM, positions=positions, segment_ids=segment_ids,
-                            return_logit_stats=return_stats)
+                x_BxTxM, max_abs_logit_H, _ = block(
+                    x_BxTxM, positions=positions, segment_ids=segment_ids,
+                    return_logit_stats=return_stats)
             else:  # activation checkpointing: the backward pass recomputes what policy drops
-                out = nnx.remat(_run_block, policy=policy, static_argnums=(4,))(
+                x_BxTxM, max_abs_logit_H, _ = nnx.remat(
+                    _run_block, policy=policy, static_argnums=(4,))(
                     block, x_BxTxM, positions, segment_ids, return_stats)
-            if return_stats:
-                x_BxTxM, max_abs_logit_H = out
-                max_abs_logit_LxH.append(max_abs_logit_H)
-            else:
-                x_BxTxM = out
+            max_abs_logit_LxH.append(max_abs_logit_H)
             x_BxTxM = constrain_batch(x_BxTxM)
         h_BxTxM = self.ln_f(x_BxTxM).astype(_dtype(cfg.compute_dtype))
         if self.lm_head is None:
@@ -188,12 +185,11 @@ class Transformer(nnx.Module):
         if self.pos_embed is not None:  # padding may sit past the table: clamp (never read)
             table_BxC = jnp.minimum(positions_BxC, cfg.max_seq_len - 1)
             x_BxCxM = x_BxCxM + self.pos_embed(table_BxC).astype(jnp.float32)
+        step = CacheStep(cache.lengths_B, new_lengths_B, fresh, decode_implementation)
         layers = []
         for block, layer_cache in zip(self.blocks, cache.layers):
-            x_BxCxM, layer_cache = block.decode(
-                x_BxCxM, layer_cache, positions_BxC=positions_BxC, old_lengths_B=cache.lengths_B,
-                new_lengths_B=new_lengths_B, fresh=fresh,
-                decode_implementation=decode_implementation)
+            x_BxCxM, _, layer_cache = block(x_BxCxM, positions=positions_BxC, cache=layer_cache,
+                                            step=step)
             layers.append(layer_cache)
         if logits_index_B is not None:
             x_BxCxM = jnp.take_along_axis(x_BxCxM, logits_index_B[:, None, None], axis=1)

@@ -84,6 +84,41 @@ class Block(nnx.Module):
         return x_BxTxM, stats_H, cache
 
 
+def unroll_blocks() -> bool:
+    """Whether the compiled program unrolls the scan over blocks (it is traced once either
+    way): on CPU, where XLA compiles the unrolled blocks faster (their identical kernels
+    compile once, a loop body's do not); elsewhere the loop stays rolled, so that the block
+    and its attention kernels are lowered and compiled once whatever the depth."""
+    return jax.default_backend() == "cpu"
+
+
+def init_blocks(cfg: ModelConfig, key: jax.Array) -> list[Block]:
+    """``cfg.n_layer`` fresh Blocks, each from its own key split from ``key``, drawn together:
+    each parameter's random draw is one operation over every layer (``jax.vmap``), so a jitted
+    init compiles as many draws for 2 layers as for 100."""
+    graphdef = None
+
+    def one(k):
+        nonlocal graphdef
+        graphdef, state = nnx.split(Block(cfg, rngs=nnx.Rngs(params=k)))
+        return state
+
+    stacked = jax.vmap(one)(jax.random.split(key, cfg.n_layer))
+    # one buffer per parameter kind before the per-layer slices, so that XLA does not fuse the
+    # draw into each layer's slice (a copy of the random-number code per layer)
+    stacked = jax.lax.optimization_barrier(stacked)
+    return [nnx.merge(graphdef, jax.tree.map(lambda x: x[i], stacked))
+            for i in range(cfg.n_layer)]
+
+
+def stack_blocks(blocks) -> tuple[nnx.GraphDef, nnx.State]:
+    """(the Blocks' common graphdef, their states stacked along a leading layer axis): what
+    ``jax.lax.scan`` runs over."""
+    graphdef, first = nnx.split(blocks[0])
+    states = [first] + [nnx.split(b)[1] for b in blocks[1:]]
+    return graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM. ``model(tokens_BxT)`` -> float32 logits [B, T, vocab].
 
@@ -104,7 +139,7 @@ class Transformer(nnx.Module):
                                     embedding_init=partitioned(emb_init, ("positions", "embed")),
                                     param_dtype=pdt, rngs=rngs)
                           if cfg.pos_embedding == "learned" else None)
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
+        self.blocks = nnx.List(init_blocks(cfg, rngs.params()))
         self.ln_f = nnx.LayerNorm(cfg.d_model, use_bias=cfg.use_bias, dtype=jnp.float32,
                                   param_dtype=pdt, rngs=rngs)
         self.lm_head = (None if cfg.tie_embeddings else
@@ -127,19 +162,8 @@ class Transformer(nnx.Module):
         if self.pos_embed is not None:
             x_BxTxM = x_BxTxM + self.pos_embed(positions).astype(jnp.float32)
         x_BxTxM = constrain_batch(x_BxTxM)  # the residual stream: batch-split, model dims whole
-        max_abs_logit_LxH = []
-        policy = REMAT_POLICIES[cfg.remat]
-        for block in self.blocks:
-            if policy is None:
-                x_BxTxM, max_abs_logit_H, _ = block(
-                    x_BxTxM, positions=positions, segment_ids=segment_ids,
-                    return_logit_stats=return_stats)
-            else:  # activation checkpointing: the backward pass recomputes what policy drops
-                x_BxTxM, max_abs_logit_H, _ = nnx.remat(
-                    _run_block, policy=policy, static_argnums=(4,))(
-                    block, x_BxTxM, positions, segment_ids, return_stats)
-            max_abs_logit_LxH.append(max_abs_logit_H)
-            x_BxTxM = constrain_batch(x_BxTxM)
+        x_BxTxM, max_abs_logit_LxH = self._scan_blocks(x_BxTxM, positions, segment_ids,
+                                                       return_stats)
         h_BxTxM = self.ln_f(x_BxTxM).astype(_dtype(cfg.compute_dtype))
         if self.lm_head is None:
             logits_BxTxV = self.embed.attend(h_BxTxM)
@@ -149,10 +173,27 @@ class Transformer(nnx.Module):
         if not return_stats:
             return logits_BxTxV
         stats = {
-            "attn_max_abs_logit": jnp.stack(max_abs_logit_LxH),
+            "attn_max_abs_logit": max_abs_logit_LxH,
             "lm_head_max_abs_logit": jax.lax.stop_gradient(jnp.max(jnp.abs(logits_BxTxV))),
         }
         return logits_BxTxV, stats
+
+    def _scan_blocks(self, x_BxTxM, positions, segment_ids, return_stats: bool):
+        """The blocks as one ``jax.lax.scan`` over their stacked parameters (``unroll_blocks``
+        says where the compiled loop is rolled). Returns (x, max_abs_logit [L, H] or None);
+        ``model.remat`` checkpoints each block."""
+        graphdef, stacked = stack_blocks(self.blocks)
+
+        def body(x_BxTxM, state):
+            x_BxTxM, stats_H, _ = nnx.merge(graphdef, state)(
+                x_BxTxM, positions=positions, segment_ids=segment_ids,
+                return_logit_stats=return_stats)
+            return constrain_batch(x_BxTxM), stats_H
+
+        policy = REMAT_POLICIES[self.cfg.remat]
+        if policy is not None:  # the backward pass recomputes what the policy drops
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        return jax.lax.scan(body, x_BxTxM, stacked, unroll=unroll_blocks())
 
     # -- decoding with a KV cache (ls_jax/generate.py) ---------------------------------------
 
@@ -202,11 +243,6 @@ class Transformer(nnx.Module):
         if logits_index_B is not None:
             logits = logits[:, 0]
         return logits, KVCache(tuple(layers), new_lengths_B.astype(jnp.int32))
-
-
-def _run_block(block, x_BxTxM, positions, segment_ids, return_logit_stats):
-    return block(x_BxTxM, positions=positions, segment_ids=segment_ids,
-                 return_logit_stats=return_logit_stats)
 
 
 def count_params(model: nnx.Module) -> int:

@@ -55,6 +55,7 @@ from ls_jax.kernels.dispatch import (
     choose_primal_implementation,
     current_platform,
 )
+from ls_jax.kernels.heads import kv_group_size
 from ls_jax.kernels.reference import default_scale
 from ls_jax.kernels.sharded import Call, attention
 
@@ -120,9 +121,7 @@ def validate_inputs(q, k, v, window_sizes, segment_ids, scale) -> tuple[WindowSi
             f"got {tuple(k.shape)}")
     if not (k.dtype == v.dtype == q.dtype):
         raise ValueError(f"q, k, v: expected one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if G < 1 or H % G:
-        raise ValueError(
-            f"k: expected a number of kv heads that divides the query heads Hq={H}, got Hkv={G}")
+    kv_group_size(H, G, arg="k heads (Hkv)", heads_arg="the query heads Hq")
     if T < 1 or D < 1 or B < 1:
         raise ValueError(f"q: expected non-empty B, T, D, got shape {tuple(q.shape)}")
     if segment_ids is not None:

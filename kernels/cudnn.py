@@ -14,17 +14,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ls_jax.kernels.band import is_global
-from ls_jax.kernels.heads import kv_for_heads, merge_heads, take_heads
+from ls_jax.kernels.heads import kv_for_heads, merge_heads, split_heads, take_heads
 from ls_jax.kernels.reference import blockwise_max_abs_logit
 
 
-def head_groups(window_sizes, seq_len: int) -> list[tuple[int | None, list[int]]]:
-    """[(window, [heads])] in order of first appearance; every global head under None."""
-    groups: dict[int | None, list[int]] = {}
-    for h, p in enumerate(window_sizes):
-        groups.setdefault(None if is_global(p, seq_len) else p, []).append(h)
-    return list(groups.items())
+def head_groups(window_sizes, seq_len: int) -> list[tuple[int | None, tuple[int, ...]]]:
+    """[(window, heads)]: every global head under None (first), then each local window."""
+    split = split_heads(window_sizes, seq_len)
+    glob = [(None, split.global_heads)] if split.global_heads else []
+    return glob + list(split.local_groups())
 
 
 def check_cudnn_inputs(implementation: str, q, segment_ids):

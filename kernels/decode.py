@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from ls_jax.kernels.api import SUPPORTED_DTYPES, normalize_window_sizes
 from ls_jax.kernels.band import allowed, window_array
+from ls_jax.kernels.heads import kv_group_size
 from ls_jax.kernels.reference import default_scale
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -88,8 +89,9 @@ def _check(q, k, v, q_pos, k_pos):
     if k.shape != v.shape:
         raise ValueError(f"k and v: expected the same shape, got {k.shape} and {v.shape}")
     Bk, S, Hkv, Dk = k.shape
-    if (Bk, Dk) != (B, D) or Hkv < 1 or Hq % Hkv:
-        raise ValueError(f"k: expected [B={B}, S, Hkv dividing {Hq}, D={D}], got {k.shape}")
+    if (Bk, Dk) != (B, D):
+        raise ValueError(f"k: expected [B={B}, S, Hkv, D={D}], got {k.shape}")
+    kv_group_size(Hq, Hkv, arg="k heads (Hkv)", heads_arg="the query heads Hq")
     if tuple(q_pos.shape) != (B, T) or not jnp.issubdtype(q_pos.dtype, jnp.integer):
         raise ValueError(f"q_pos: expected int [B={B}, T={T}], got {q_pos.dtype} {q_pos.shape}")
     if tuple(k_pos.shape) != (B, S) or not jnp.issubdtype(k_pos.dtype, jnp.integer):

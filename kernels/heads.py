@@ -1,20 +1,72 @@
-"""Heads taken out of and put back into [B, T, H, D] arrays as runs of consecutive heads.
+"""Heads of a call: which are global and which local (``split_heads``, the one place that
+decides it), how many query heads share a kv head (``kv_group_size``, the one check of a
+head count), and taking groups of heads out of and back into [B, T, H, D] arrays.
 
 A group of heads (the global ones, the heads of one window) is taken as slices of its runs
 and one concatenate, never a gather: XLA's gather, and the scatter-add that is its transpose
-in the backward, cost far more than a copy (H100, run S: one cuDNN call over all 16 heads
-behind a gather of q, k, v took 5.84 ms forward+backward against 4.89 ms without it, n=8192,
-D=64). A group of every head in order is the array itself. Used by the cuDNN composition
-(``kernels/cudnn.py``), "split" (``kernels/split.py``), the Pallas GPU backward's delta pass
-(``kernels/pallas_gpu/backward.py``) and the KV-cache attention path (``ls_jax/attention.py``).
+in the backward, cost far more than a copy. A group of every head in order is the array
+itself. Used by the cuDNN composition (``kernels/cudnn.py``), "split"
+(``kernels/split.py``), the Pallas GPU kernels and the KV cache (``ls_jax/kv_cache.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["head_runs", "kv_for_heads", "merge_heads", "take_heads"]
+from ls_jax.kernels.band import WindowSizes, is_global
+
+__all__ = ["HeadSplit", "head_runs", "kv_for_heads", "kv_group_size", "merge_heads",
+           "split_heads", "take_heads"]
+
+
+def kv_group_size(num_heads, num_kv_heads, *, arg: str = "n_kv_head",
+                  heads_arg: str = "n_head") -> int:
+    """Query heads per kv head (GQA: query head h reads kv head h // group). ValueError naming
+    ``arg`` unless ``num_kv_heads`` is an int that divides ``num_heads``; the check of every
+    layer, cache and kernel entry point."""
+    if (isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, (int, np.integer))
+            or num_kv_heads < 1 or num_heads % num_kv_heads):
+        raise ValueError(f"{arg}: expected a divisor of {heads_arg}={num_heads}, "
+                         f"got {num_kv_heads!r}")
+    return num_heads // num_kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSplit:
+    """A call's query heads split into global ones (they see every earlier key) and local ones
+    (a window shorter than that), each in head order; ``split_heads`` makes it."""
+
+    windows: WindowSizes
+    global_heads: tuple[int, ...]
+    local_heads: tuple[int, ...]
+
+    def local_groups(self) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """((window, its local heads), ...): one entry per distinct local window, in the order
+        of its first head."""
+        groups: dict[int, list[int]] = {}
+        for h in self.local_heads:
+            groups.setdefault(self.windows[h], []).append(h)
+        return tuple((p, tuple(heads)) for p, heads in groups.items())
+
+    def kv_split(self, num_kv_heads: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(global kv heads, local kv heads): a kv head is global when any of its query heads
+        is (it must keep every key), local when all of them are."""
+        group = kv_group_size(len(self.windows), num_kv_heads)
+        global_kv = tuple(sorted({h // group for h in self.global_heads}))
+        return global_kv, tuple(g for g in range(num_kv_heads) if g not in global_kv)
+
+
+def split_heads(window_sizes: WindowSizes, seq_len: int | None = None) -> HeadSplit:
+    """The global/local split of heads with these windows (validated: int >= 1 or None): a
+    head is global when its window is None or, given ``seq_len``, at least that long."""
+    glob = tuple(h for h, p in enumerate(window_sizes)
+                 if p is None or (seq_len is not None and is_global(p, seq_len)))
+    local = tuple(h for h in range(len(window_sizes)) if h not in glob)
+    return HeadSplit(tuple(window_sizes), glob, local)
 
 
 def head_runs(indices) -> list[tuple[int, int]]:

@@ -3,7 +3,7 @@
 Our kernel runs full-causal work slower than cuDNN at D >= 64 and local heads much faster than
 the cuDNN composition (docs/kernel-notes.md, "Split dispatch"), so this backend makes two calls:
 
-* the global heads (``kernels.band.is_global``: window None or >= T) in ONE
+* the global heads (``kernels.heads.split_heads``: window None or >= T) in ONE
   ``jax.nn.dot_product_attention(..., is_causal=True, implementation="cudnn")`` call;
 * the local heads in ONE ``pallas_gpu_attention`` call with their windows;
 
@@ -34,20 +34,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ls_jax.kernels.band import WindowSizes, is_global
 from ls_jax.kernels.cudnn import check_cudnn_inputs
-from ls_jax.kernels.heads import kv_for_heads, merge_heads, take_heads
+from ls_jax.kernels.heads import kv_for_heads, merge_heads, split_heads, take_heads
 from ls_jax.kernels.pallas_gpu import pallas_gpu_attention
 from ls_jax.kernels.reference import blockwise_max_abs_logit
 
-__all__ = ["split_backend", "split_heads"]
-
-
-def split_heads(window_sizes: WindowSizes, seq_len: int) -> tuple[list[int], list[int]]:
-    """(global heads, local heads), each in head order."""
-    glob = [h for h, p in enumerate(window_sizes) if is_global(p, seq_len)]
-    local = [h for h, p in enumerate(window_sizes) if not is_global(p, seq_len)]
-    return glob, local
+__all__ = ["split_backend"]
 
 
 def _global_causal_attention(q, k, v, scale: float):
@@ -68,7 +60,8 @@ def split_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_sta
     ``pallas_gpu.Launches`` over the local heads) replaces the heuristics' choice for them."""
     check_cudnn_inputs("split", q, segment_ids)
     B, T, H, D = q.shape
-    glob, local = split_heads(window_sizes, T)
+    heads = split_heads(window_sizes, T)
+    glob, local = heads.global_heads, heads.local_heads
     outs, stats, parts_heads = [], [], []
     if glob:
         q_g = take_heads(q, glob)

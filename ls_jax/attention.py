@@ -4,11 +4,14 @@ Heads ``0 .. n_global_heads - 1`` attend causally to every earlier token; the re
 last ``window`` tokens (query i sees keys i - window < j <= i). With ``n_global_heads ==
 n_head`` it is plain causal multi-head self-attention. The attention itself is one call of
 ``kernels.ls_attention`` for all heads, which picks the Pallas kernel for the platform (on
-sharded inputs, one call per shard: kernels/sharded.py).
+sharded inputs, one call per shard: kernels/sharded.py). Given a KV cache
+(``ls_jax/kv_cache.py``), the same call attends over it and writes the new keys and values into
+it (decoding).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
@@ -17,9 +20,10 @@ from flax import nnx
 
 from ls_jax.kernels import ls_attention, normalize_window_sizes
 from ls_jax.kernels.decode import cached_attention
-from ls_jax.kernels.heads import take_heads
-from ls_jax.kv_cache import (CacheLayout, LayerCache, global_positions, ring_positions,
-                             update_ring, write_global)
+from ls_jax.kernels.dispatch import IMPLEMENTATIONS, INTERPRET_IMPLEMENTATIONS
+from ls_jax.kernels.heads import kv_group_size, take_heads
+from ls_jax.kv_cache import (CacheLayout, CacheStep, LayerCache, global_positions,
+                             ring_positions, write_layer)
 from ls_jax.rope import apply_rope
 
 
@@ -37,6 +41,63 @@ def layer_window_sizes(n_head: int, n_global_heads: int, window: int) -> tuple[i
     return (None,) * n_global_heads + (window,) * (n_head - n_global_heads)
 
 
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    return value
+
+
+def check_backend(implementation, interpret) -> None:
+    """The backend arguments of ``kernels.ls_attention``, checked when a layer is built: one
+    line naming the argument (the same rules the call applies)."""
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation: expected None or one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if not isinstance(interpret, bool):
+        raise ValueError(f"interpret: expected True or False, got {interpret!r}")
+    if interpret and implementation not in INTERPRET_IMPLEMENTATIONS:
+        raise ValueError(
+            f"interpret: True runs a Pallas backend in interpret mode and needs implementation "
+            f"one of {INTERPRET_IMPLEMENTATIONS}, got implementation={implementation!r}")
+
+
+def layer_spec(d_model, n_head, head_dim, n_kv_head, n_global_heads, window, window_sizes,
+               rope_theta, implementation, interpret) -> tuple[tuple[int | None, ...], int]:
+    """(per-head windows, kv heads) of an LS-attention layer's arguments, each checked with
+    one line naming it; shared by the NNX layer and the Linen one (ls_jax/linen.py)."""
+    _positive_int("d_model", d_model)
+    _positive_int("n_head", n_head)
+    _positive_int("head_dim", head_dim)
+    n_kv_head = n_head if n_kv_head is None else n_kv_head
+    kv_group_size(n_head, n_kv_head)
+    if window_sizes is None:
+        if n_global_heads < n_head:
+            _positive_int("window", window)
+        window_sizes = layer_window_sizes(n_head, n_global_heads, window)
+    windows = normalize_window_sizes(window_sizes, n_head)
+    if rope_theta is not None:
+        if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) \
+                or not math.isfinite(rope_theta) or rope_theta <= 0:
+            raise ValueError(f"rope_theta: expected None or a finite number > 0, "
+                             f"got {rope_theta!r}")
+        if head_dim % 2:
+            raise ValueError(f"head_dim: expected an even number with rope_theta set (RoPE "
+                             f"rotates pairs), got {head_dim}")
+    check_backend(implementation, interpret)
+    return windows, n_kv_head
+
+
+def check_input(x_BxTxM, d_model: int, positions=None) -> None:
+    """One line for an input that is not [B, T, d_model] or positions that are not int [B, T]."""
+    shape = tuple(getattr(x_BxTxM, "shape", ()))
+    if len(shape) != 3 or shape[-1] != d_model:
+        raise ValueError(f"x: expected shape [B, T, d_model={d_model}], got {shape}")
+    if positions is not None and (tuple(positions.shape) != shape[:2]
+                                  or not jnp.issubdtype(positions.dtype, jnp.integer)):
+        raise ValueError(f"positions: expected int [B={shape[0]}, T={shape[1]}], got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+
+
 class LSAttention(nnx.Module):
     """LS-attention layer: [B, T, d_model] -> [B, T, d_model].
 
@@ -50,6 +111,9 @@ class LSAttention(nnx.Module):
       rope_theta: apply rotary embeddings with this base (None: no RoPE).
       dtype / param_dtype: compute and parameter dtypes (e.g. bfloat16 / float32).
       implementation: kernels.ls_attention backend (None: best for the platform).
+      interpret: run a Pallas backend in interpret mode (CPU); needs ``implementation``
+        "pallas_gpu", "pallas_tpu" or "split".
+    Every argument is checked here, the input at each call (one line naming it).
     """
 
     def __init__(self, d_model: int, n_head: int, head_dim: int, *, n_kv_head: int | None = None,
@@ -57,16 +121,15 @@ class LSAttention(nnx.Module):
                  window_sizes: Sequence[int | None] | None = None, qk_norm: bool = False,
                  use_bias: bool = False, rope_theta: float | None = None,
                  dtype=jnp.float32, param_dtype=jnp.float32, implementation: str | None = None,
-                 init_std: float = 0.02, out_init_std: float | None = None, rngs: nnx.Rngs):
-        n_kv_head = n_kv_head or n_head
-        if n_head % n_kv_head:
-            raise ValueError(f"n_kv_head: expected a divisor of n_head={n_head}, got {n_kv_head}")
-        if window_sizes is None:
-            window_sizes = layer_window_sizes(n_head, n_global_heads, window)
-        self.window_sizes = normalize_window_sizes(window_sizes, n_head)
-        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
+                 interpret: bool = False, init_std: float = 0.02,
+                 out_init_std: float | None = None, rngs: nnx.Rngs):
+        self.window_sizes, n_kv_head = layer_spec(
+            d_model, n_head, head_dim, n_kv_head, n_global_heads, window, window_sizes,
+            rope_theta, implementation, interpret)
+        self.d_model, self.n_head, self.n_kv_head, self.head_dim = (
+            d_model, n_head, n_kv_head, head_dim)
         self.rope_theta = rope_theta
-        self.implementation = implementation
+        self.implementation, self.interpret = implementation, interpret
         self.dtype = dtype
         init = nnx.initializers.normal(init_std)
         out_init = nnx.initializers.normal(init_std if out_init_std is None else out_init_std)
@@ -90,13 +153,28 @@ class LSAttention(nnx.Module):
             self.q_norm = self.k_norm = None
 
     def __call__(self, x_BxTxM: jax.Array, *, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None, return_logit_stats: bool = False):
-        """Returns y [B, T, d_model], or (y, max_abs_logit [n_head]) with return_logit_stats."""
+                 segment_ids: jax.Array | None = None, return_logit_stats: bool = False,
+                 cache: LayerCache | None = None, step: CacheStep | None = None):
+        """Returns y [B, T, d_model], or (y, max_abs_logit [n_head]) with return_logit_stats.
+
+        With ``cache`` (this layer's ``LayerCache``) and ``step`` (``CacheStep``), the T new
+        tokens at ``positions`` attend over the cache and are written into it; returns
+        (y, the updated LayerCache). See ``attend_cached``.
+        """
+        check_input(x_BxTxM, self.d_model, positions)
+        if (cache is None) != (step is None):
+            raise ValueError("cache, step: expected both (a cached call) or neither, got "
+                             f"cache={type(cache).__name__}, step={type(step).__name__}")
         q_BxTxHxD, k_BxTxGxD, v_BxTxGxD = self.project(x_BxTxM)
+        if cache is not None:
+            if positions is None or segment_ids is not None or return_logit_stats:
+                raise ValueError("cache: a cached call takes positions, and neither segment_ids "
+                                 "nor return_logit_stats")
+            return self.attend_cached(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, cache, positions, step)
         return attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, self.o_proj, self.window_sizes,
                       q_norm=self.q_norm, k_norm=self.k_norm, rope_theta=self.rope_theta,
                       dtype=self.dtype, implementation=self.implementation,
-                      positions=positions, segment_ids=segment_ids,
+                      interpret=self.interpret, positions=positions, segment_ids=segment_ids,
                       return_logit_stats=return_logit_stats)
 
     def project(self, x_BxTxM: jax.Array):
@@ -112,76 +190,66 @@ class LSAttention(nnx.Module):
         """This layer's split into the global cache and the ring buffer (``CacheLayout``)."""
         return CacheLayout.build(self.window_sizes, self.n_head, self.n_kv_head, max_len)
 
-    def attend_cached(self, x_BxCxM: jax.Array, cache, *, positions_BxC: jax.Array,
-                      old_lengths_B: jax.Array, new_lengths_B: jax.Array, fresh: bool,
-                      decode_implementation: str | None = None):
-        """Attention of C new tokens per row that also writes them into ``cache``.
+    def attend_cached(self, q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, cache: LayerCache, positions_BxC,
+                      step: CacheStep):
+        """Attention of C new tokens per row (projected) that also writes them into ``cache``.
 
-        cache: this layer's ``LayerCache`` holding ``old_lengths_B`` positions per row.
-        positions_BxC: positions of the new tokens (tokens at positions >= new_lengths_B are
-          padding: written nowhere that a later query reads).
-        fresh: the cache is empty and the tokens sit at positions 0 .. C-1 in every row (the
-          first prefill chunk): the chunk's attention is one ``ls_attention`` call, the
-          full-sequence kernel. Otherwise queries read the cache
-          through ``kernels.decode.cached_attention``; with C == 1 (a decode step) local heads
-          read only their ring buffer.
-        Returns (y [B, C, d_model], the updated LayerCache).
+        A fresh step (an empty cache, positions 0 .. C-1: the first prefill chunk) attends with
+        one ``ls_attention`` call, the full-sequence kernel. Otherwise queries read the cache
+        through ``kernels.decode.cached_attention``; with C == 1 (a decode step) local heads
+        read only their ring buffer. Returns (y [B, C, d_model], the updated LayerCache).
         """
-
-        B, C, _ = x_BxCxM.shape
+        B, C = q_BxCxHxD.shape[:2]
         layout = self.cache_layout(cache.k_global.shape[1])
-        q_BxCxHxD, k_BxCxGxD, v_BxCxGxD = self.project(x_BxCxM)
         q_BxCxHxD, k_BxCxGxD = norm_and_rope(
             q_BxCxHxD, k_BxCxGxD, positions_BxC, q_norm=self.q_norm, k_norm=self.k_norm,
             rope_theta=self.rope_theta, dtype=self.dtype)
-
-        k_glob, v_glob = (take_heads(x, layout.global_kv) for x in (k_BxCxGxD, v_BxCxGxD))
-        k_loc, v_loc = (take_heads(x, layout.local_kv) for x in (k_BxCxGxD, v_BxCxGxD))
-        if fresh and C <= cache.k_global.shape[1]:  # positions 0 .. C-1 in every row
-            k_global = jax.lax.dynamic_update_slice(
-                cache.k_global, k_glob.astype(cache.k_global.dtype), (0, 0, 0, 0))
-            v_global = jax.lax.dynamic_update_slice(
-                cache.v_global, v_glob.astype(cache.v_global.dtype), (0, 0, 0, 0))
-        else:
-            k_global = write_global(cache.k_global, k_glob, positions_BxC)
-            v_global = write_global(cache.v_global, v_glob, positions_BxC)
-        k_local, v_local = cache.k_local, cache.v_local
-        start_B = positions_BxC[:, 0]
-        if layout.local_kv:
-            k_local = update_ring(cache.k_local, k_loc, old_lengths_B, new_lengths_B, start_B)
-            v_local = update_ring(cache.v_local, v_loc, old_lengths_B, new_lengths_B, start_B)
-
-        if fresh:
+        new_cache = write_layer(cache, layout, k_BxCxGxD, v_BxCxGxD, positions_BxC, step)
+        if step.fresh:
             out_BxCxHxD = ls_attention(q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, self.window_sizes,
-                                       implementation=self.implementation)
+                                       implementation=self.implementation,
+                                       interpret=self.interpret)
         else:
-            if C > 1 and decode_implementation == "pallas_gpu":  # that kernel: 1 query per row
-                decode_implementation = "xla"
-            q_sorted = take_heads(q_BxCxHxD, layout.q_order)
-            n_qg = len(layout.global_windows)
-            q_pos_BxC = jnp.where(positions_BxC < new_lengths_B[:, None], positions_BxC, -1)
-            parts = []
-            if layout.global_kv:
-                parts.append(cached_attention(
-                    q_sorted[:, :, :n_qg], k_global, v_global, q_pos_BxC,
-                    global_positions(new_lengths_B, k_global.shape[1]), layout.global_windows,
-                    implementation=decode_implementation))
-            if layout.local_kv:
-                P = layout.ring_size
-                if C == 1:  # a decode step: the updated ring holds every key in the window
-                    k_read, v_read = k_local, v_local
-                    k_pos = ring_positions(new_lengths_B, P)
-                else:  # a prefill chunk: the old ring, then the chunk's own keys
-                    k_read = jnp.concatenate([cache.k_local, k_loc.astype(k_local.dtype)], 1)
-                    v_read = jnp.concatenate([cache.v_local, v_loc.astype(v_local.dtype)], 1)
-                    k_pos = jnp.concatenate([ring_positions(old_lengths_B, P), q_pos_BxC], 1)
-                parts.append(cached_attention(
-                    q_sorted[:, :, n_qg:], k_read, v_read, q_pos_BxC, k_pos,
-                    layout.local_windows, implementation=decode_implementation))
-            out_sorted = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
-            out_BxCxHxD = take_heads(out_sorted, layout.q_inverse).astype(q_BxCxHxD.dtype)
+            out_BxCxHxD = self._read_cache(q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, layout, cache,
+                                           new_cache, positions_BxC, step)
         y_BxCxM = self.o_proj(out_BxCxHxD.reshape(B, C, self.n_head * self.head_dim))
-        return y_BxCxM, LayerCache(k_global, v_global, k_local, v_local)
+        return y_BxCxM, new_cache
+
+    def _read_cache(self, q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, layout, old, new, positions_BxC,
+                    step):
+        """The new queries' attention over the cache: the global kv heads' part over the
+        written global cache, the local ones' over the ring (a decode step: the updated ring
+        holds every key in the window; a prefill chunk: the old ring, then the chunk's own
+        keys), put back in head order."""
+        C = q_BxCxHxD.shape[1]
+        implementation = step.decode_implementation
+        if C > 1 and implementation == "pallas_gpu":  # that kernel: 1 query per row
+            implementation = "xla"
+        new_lengths_B = step.new_lengths_B
+        q_sorted = take_heads(q_BxCxHxD, layout.q_order)
+        n_qg = len(layout.global_windows)
+        q_pos_BxC = jnp.where(positions_BxC < new_lengths_B[:, None], positions_BxC, -1)
+        parts = []
+        if layout.global_kv:
+            parts.append(cached_attention(
+                q_sorted[:, :, :n_qg], new.k_global, new.v_global, q_pos_BxC,
+                global_positions(new_lengths_B, new.k_global.shape[1]), layout.global_windows,
+                implementation=implementation, interpret=self.interpret))
+        if layout.local_kv:
+            P = layout.ring_size
+            if C == 1:
+                k_read, v_read = new.k_local, new.v_local
+                k_pos = ring_positions(new_lengths_B, P)
+            else:
+                k_loc, v_loc = (take_heads(x, layout.local_kv) for x in (k_BxCxGxD, v_BxCxGxD))
+                k_read = jnp.concatenate([old.k_local, k_loc.astype(old.k_local.dtype)], 1)
+                v_read = jnp.concatenate([old.v_local, v_loc.astype(old.v_local.dtype)], 1)
+                k_pos = jnp.concatenate([ring_positions(step.old_lengths_B, P), q_pos_BxC], 1)
+            parts.append(cached_attention(
+                q_sorted[:, :, n_qg:], k_read, v_read, q_pos_BxC, k_pos, layout.local_windows,
+                implementation=implementation, interpret=self.interpret))
+        out_sorted = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+        return take_heads(out_sorted, layout.q_inverse).astype(q_BxCxHxD.dtype)
 
 
 def norm_and_rope(q_BxTxHxD, k_BxTxGxD, positions_BxT, *, q_norm, k_norm, rope_theta, dtype):
@@ -197,7 +265,8 @@ def norm_and_rope(q_BxTxHxD, k_BxTxGxD, positions_BxT, *, q_norm, k_norm, rope_t
 
 
 def attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, o_proj, window_sizes, *, q_norm, k_norm, rope_theta,
-           dtype, implementation, positions=None, segment_ids=None, return_logit_stats=False):
+           dtype, implementation, interpret=False, positions=None, segment_ids=None,
+           return_logit_stats=False):
     """The layer after the q/k/v projections: QK-norm, RoPE, ``ls_attention``, ``o_proj``.
 
     Shared by this NNX layer and the Linen one (ls_jax/linen.py); ``q_norm``/``k_norm``/``o_proj``
@@ -211,7 +280,8 @@ def attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, o_proj, window_sizes, *, q_norm, k_n
     # one kernel call per shard on sharded inputs (kernels/sharded.py)
     result = ls_attention(
         q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, window_sizes, segment_ids=segment_ids,
-        return_logit_stats=return_logit_stats, implementation=implementation)
+        return_logit_stats=return_logit_stats, implementation=implementation,
+        interpret=interpret)
     out_BxTxHxD = result[0] if return_logit_stats else result
     y_BxTxM = o_proj(out_BxTxHxD.reshape(B, T, H * D))
     if return_logit_stats:

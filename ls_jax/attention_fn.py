@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ls_jax.attention import check_backend
 from ls_jax.kernels import ls_attention, normalize_window_sizes
 
 
@@ -70,12 +71,15 @@ def make_attention_fn(window_sizes: Sequence[int | None], implementation: str | 
         i - p < j <= i), None for a global head (every j <= i).
       implementation: ``ls_attention`` backend (None: best for the platform).
       interpret: run a Pallas backend in interpret mode (CPU testing).
+    The arguments are checked here (one line naming a bad one), the call's inputs at the call.
     """
-    if isinstance(window_sizes, (str, bytes)) or not isinstance(window_sizes, Sequence):
+    if isinstance(window_sizes, (str, bytes)) or not isinstance(window_sizes, Sequence) \
+            or not len(window_sizes):
         raise ValueError(
             f"window_sizes: expected a tuple with one entry per query head (int >= 1 for a local "
             f"head, None for a global one), got {window_sizes!r}")
     windows = normalize_window_sizes(window_sizes, len(window_sizes))
+    check_backend(implementation, interpret)
 
     def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
                      dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = True,

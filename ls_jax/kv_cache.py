@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ls_jax.kernels import normalize_window_sizes
+from ls_jax.kernels.heads import kv_group_size, split_heads, take_heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,15 +52,10 @@ class CacheLayout:
     @classmethod
     def build(cls, window_sizes, n_head: int, n_kv_head: int, max_len: int) -> "CacheLayout":
         windows = normalize_window_sizes(window_sizes, n_head)
-        if n_kv_head < 1 or n_head % n_kv_head:
-            raise ValueError(f"n_kv_head: expected a divisor of n_head={n_head}, got {n_kv_head}")
-        r = n_head // n_kv_head
-        heads_of = [tuple(range(g * r, (g + 1) * r)) for g in range(n_kv_head)]
-        global_kv = tuple(g for g in range(n_kv_head)
-                          if any(windows[h] is None for h in heads_of[g]))
-        local_kv = tuple(g for g in range(n_kv_head) if g not in global_kv)
-        q_global = tuple(h for g in global_kv for h in heads_of[g])
-        q_local = tuple(h for g in local_kv for h in heads_of[g])
+        r = kv_group_size(n_head, n_kv_head)
+        global_kv, local_kv = split_heads(windows).kv_split(n_kv_head)
+        q_global = tuple(h for g in global_kv for h in range(g * r, (g + 1) * r))
+        q_local = tuple(h for g in local_kv for h in range(g * r, (g + 1) * r))
         ring = min(max(windows[h] for h in q_local), max_len) if q_local else 0
         return cls(n_head, n_kv_head, global_kv, local_kv, q_global + q_local,
                    tuple(windows[h] for h in q_global), tuple(windows[h] for h in q_local), ring)
@@ -77,6 +73,23 @@ class LayerCache(NamedTuple):
     v_global: jax.Array
     k_local: jax.Array
     v_local: jax.Array
+
+
+class CacheStep(NamedTuple):
+    """What a layer's call that reads and writes its cache needs besides the new tokens and
+    their positions (``Transformer.decode`` makes one per call, shared by every layer).
+
+    old_lengths_B / new_lengths_B: positions held per row before / after the call (tokens at
+      positions >= new_lengths_B are padding: written nowhere a later query reads).
+    fresh: the cache is empty and the tokens sit at positions 0 .. C-1 in every row (the
+      first prefill chunk).
+    decode_implementation: the ``kernels.decode.cached_attention`` backend (None: "xla").
+    """
+
+    old_lengths_B: jax.Array
+    new_lengths_B: jax.Array
+    fresh: bool = False
+    decode_implementation: str | None = None
 
 
 class KVCache(NamedTuple):
@@ -137,3 +150,27 @@ def update_ring(ring_BxPxGxD, new_BxCxGxD, old_lengths_B, new_lengths_B, start_B
     idx_BxP = jnp.where(from_new, P + pos_BxP - start_B[:, None], jnp.mod(pos_BxP, P))
     idx_BxP = jnp.clip(idx_BxP, 0, both.shape[1] - 1)
     return jnp.take_along_axis(both, idx_BxP[:, :, None, None], axis=1)
+
+
+def write_layer(cache: LayerCache, layout: CacheLayout, k_BxCxGxD, v_BxCxGxD, positions_BxC,
+                step: CacheStep) -> LayerCache:
+    """``cache`` with C new keys and values per row written: the global kv heads' at slot =
+    position, the local kv heads' into the ring. A fresh chunk (positions 0 .. C-1) is one
+    slice update of the global cache."""
+    k_glob, v_glob = (take_heads(x, layout.global_kv) for x in (k_BxCxGxD, v_BxCxGxD))
+    C = k_BxCxGxD.shape[1]
+    if step.fresh and C <= cache.k_global.shape[1]:
+        k_global, v_global = (
+            jax.lax.dynamic_update_slice(old, new.astype(old.dtype), (0, 0, 0, 0))
+            for old, new in ((cache.k_global, k_glob), (cache.v_global, v_glob)))
+    else:
+        k_global = write_global(cache.k_global, k_glob, positions_BxC)
+        v_global = write_global(cache.v_global, v_glob, positions_BxC)
+    k_local, v_local = cache.k_local, cache.v_local
+    if layout.local_kv:
+        start_B = positions_BxC[:, 0]
+        k_local, v_local = (
+            update_ring(old, take_heads(new, layout.local_kv), step.old_lengths_B,
+                        step.new_lengths_B, start_B)
+            for old, new in ((cache.k_local, k_BxCxGxD), (cache.v_local, v_BxCxGxD)))
+    return LayerCache(k_global, v_global, k_local, v_local)

@@ -19,8 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ls_jax.attention import attend, layer_window_sizes
-from ls_jax.kernels import normalize_window_sizes
+from ls_jax.attention import attend, check_input, layer_spec
 
 
 class LSAttention(nn.Module):
@@ -28,6 +27,8 @@ class LSAttention(nn.Module):
 
     Heads ``0 .. n_global_heads - 1`` are global, the rest local with ``window`` keys (query i
     sees keys i - window < j <= i), unless ``window_sizes`` gives every head's window.
+    ``interpret`` runs a Pallas ``implementation`` in interpret mode (CPU). The arguments are
+    checked when the module is constructed, the input at each call (one line naming it).
     """
 
     d_model: int
@@ -43,18 +44,21 @@ class LSAttention(nn.Module):
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     implementation: str | None = None
+    interpret: bool = False
     init_std: float = 0.02
     out_init_std: float | None = None
 
+    def __post_init__(self):
+        self._spec()  # a bad argument fails here, not at the first call
+        super().__post_init__()
+
+    def _spec(self):
+        return layer_spec(self.d_model, self.n_head, self.head_dim, self.n_kv_head,
+                          self.n_global_heads, self.window, self.window_sizes, self.rope_theta,
+                          self.implementation, self.interpret)
+
     def setup(self):
-        n_kv_head = self.n_kv_head or self.n_head
-        if self.n_head % n_kv_head:
-            raise ValueError(
-                f"n_kv_head: expected a divisor of n_head={self.n_head}, got {self.n_kv_head}")
-        windows = self.window_sizes
-        if windows is None:
-            windows = layer_window_sizes(self.n_head, self.n_global_heads, self.window)
-        self._windows = normalize_window_sizes(windows, self.n_head)
+        self._windows, n_kv_head = self._spec()
         self._kv_heads = n_kv_head
         init = nn.initializers.normal(self.init_std)
         out_init = nn.initializers.normal(
@@ -77,9 +81,7 @@ class LSAttention(nn.Module):
     def __call__(self, x_BxTxM: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, return_logit_stats: bool = False):
         """Returns y [B, T, d_model], or (y, max_abs_logit [n_head]) with return_logit_stats."""
-        if x_BxTxM.ndim != 3 or x_BxTxM.shape[-1] != self.d_model:
-            raise ValueError(
-                f"x: expected shape [B, T, d_model={self.d_model}], got {tuple(x_BxTxM.shape)}")
+        check_input(x_BxTxM, self.d_model, positions)
         B, T, _ = x_BxTxM.shape
         q_BxTxHxD = self.q_proj(x_BxTxM).reshape(B, T, self.n_head, self.head_dim)
         k_BxTxGxD = self.k_proj(x_BxTxM).reshape(B, T, self._kv_heads, self.head_dim)
@@ -88,5 +90,6 @@ class LSAttention(nn.Module):
                       q_norm=self.q_norm if self.qk_norm else None,
                       k_norm=self.k_norm if self.qk_norm else None,
                       rope_theta=self.rope_theta, dtype=self.dtype,
-                      implementation=self.implementation, positions=positions,
+                      implementation=self.implementation, interpret=self.interpret,
+                      positions=positions,
                       segment_ids=segment_ids, return_logit_stats=return_logit_stats)

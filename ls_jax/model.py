@@ -10,7 +10,7 @@ from flax import nnx
 
 from ls_jax.attention import LSAttention, partitioned
 from ls_jax.config import ModelConfig
-from ls_jax.kv_cache import KVCache, init_cache
+from ls_jax.kv_cache import CacheStep, KVCache, LayerCache, init_cache
 from ls_jax.sharding import constrain_batch
 
 # model.remat -> what a block keeps for its backward pass (None: no checkpointing)
@@ -63,26 +63,60 @@ class Block(nnx.Module):
         self.compute_dtype = _dtype(cfg.compute_dtype)
 
     def __call__(self, x_BxTxM, *, positions=None, segment_ids=None,
-                 return_logit_stats: bool = False):
-        """Returns x, or (x, max_abs_logit_H) with ``return_logit_stats`` (the attention
-        kernel computes the statistics only then)."""
-        attn = self.attn(self.ln1(x_BxTxM).astype(self.compute_dtype), positions=positions,
-                         segment_ids=segment_ids, return_logit_stats=return_logit_stats)
-        h_BxTxM, max_abs_logit_H = attn if return_logit_stats else (attn, None)
-        x_BxTxM = x_BxTxM + h_BxTxM
-        x_BxTxM = x_BxTxM + self.mlp(self.ln2(x_BxTxM).astype(self.compute_dtype))
-        if return_logit_stats:
-            return x_BxTxM, max_abs_logit_H
-        return x_BxTxM
+                 return_logit_stats: bool = False, cache: LayerCache | None = None,
+                 step: CacheStep | None = None):
+        """Returns (x, max_abs_logit_H or None, the updated LayerCache or None).
 
-    def decode(self, x_BxCxM, cache, **kw):
-        """Like ``__call__`` for C new tokens per row, reading and writing this layer's KV cache
-        (see ``LSAttention.attend_cached``). Returns (x, the updated LayerCache)."""
-        h_BxCxM, cache = self.attn.attend_cached(
-            self.ln1(x_BxCxM).astype(self.compute_dtype), cache, **kw)
-        x_BxCxM = x_BxCxM + h_BxCxM
-        x_BxCxM = x_BxCxM + self.mlp(self.ln2(x_BxCxM).astype(self.compute_dtype))
-        return x_BxCxM, cache
+        The statistics come with ``return_logit_stats`` (the attention kernel computes them
+        only then); with ``cache`` and ``step`` the tokens at ``positions`` attend over this
+        layer's KV cache and are written into it (``LSAttention.__call__``).
+        """
+        h = self.attn(self.ln1(x_BxTxM).astype(self.compute_dtype), positions=positions,
+                      segment_ids=segment_ids, return_logit_stats=return_logit_stats,
+                      cache=cache, step=step)
+        stats_H = None
+        if cache is not None:
+            h, cache = h
+        elif return_logit_stats:
+            h, stats_H = h
+        x_BxTxM = x_BxTxM + h
+        x_BxTxM = x_BxTxM + self.mlp(self.ln2(x_BxTxM).astype(self.compute_dtype))
+        return x_BxTxM, stats_H, cache
+
+
+def unroll_blocks() -> bool:
+    """Whether the compiled program unrolls the scan over blocks (it is traced once either
+    way): on CPU, where XLA compiles the unrolled blocks faster (their identical kernels
+    compile once, a loop body's do not); elsewhere the loop stays rolled, so that the block
+    and its attention kernels are lowered and compiled once whatever the depth."""
+    return jax.default_backend() == "cpu"
+
+
+def init_blocks(cfg: ModelConfig, key: jax.Array) -> list[Block]:
+    """``cfg.n_layer`` fresh Blocks, each from its own key split from ``key``, drawn together:
+    each parameter's random draw is one operation over every layer (``jax.vmap``), so a jitted
+    init compiles as many draws for 2 layers as for 100."""
+    graphdef = None
+
+    def one(k):
+        nonlocal graphdef
+        graphdef, state = nnx.split(Block(cfg, rngs=nnx.Rngs(params=k)))
+        return state
+
+    stacked = jax.vmap(one)(jax.random.split(key, cfg.n_layer))
+    # one buffer per parameter kind before the per-layer slices, so that XLA does not fuse the
+    # draw into each layer's slice (a copy of the random-number code per layer)
+    stacked = jax.lax.optimization_barrier(stacked)
+    return [nnx.merge(graphdef, jax.tree.map(lambda x: x[i], stacked))
+            for i in range(cfg.n_layer)]
+
+
+def stack_blocks(blocks) -> tuple[nnx.GraphDef, nnx.State]:
+    """(the Blocks' common graphdef, their states stacked along a leading layer axis): what
+    ``jax.lax.scan`` runs over."""
+    graphdef, first = nnx.split(blocks[0])
+    states = [first] + [nnx.split(b)[1] for b in blocks[1:]]
+    return graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states)
 
 
 class Transformer(nnx.Module):
@@ -105,7 +139,7 @@ class Transformer(nnx.Module):
                                     embedding_init=partitioned(emb_init, ("positions", "embed")),
                                     param_dtype=pdt, rngs=rngs)
                           if cfg.pos_embedding == "learned" else None)
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
+        self.blocks = nnx.List(init_blocks(cfg, rngs.params()))
         self.ln_f = nnx.LayerNorm(cfg.d_model, use_bias=cfg.use_bias, dtype=jnp.float32,
                                   param_dtype=pdt, rngs=rngs)
         self.lm_head = (None if cfg.tie_embeddings else
@@ -128,21 +162,8 @@ class Transformer(nnx.Module):
         if self.pos_embed is not None:
             x_BxTxM = x_BxTxM + self.pos_embed(positions).astype(jnp.float32)
         x_BxTxM = constrain_batch(x_BxTxM)  # the residual stream: batch-split, model dims whole
-        max_abs_logit_LxH = []
-        policy = REMAT_POLICIES[cfg.remat]
-        for block in self.blocks:
-            if policy is None:
-                out = block(x_BxTxM, positions=positions, segment_ids=segment_ids,
-                            return_logit_stats=return_stats)
-            else:  # activation checkpointing: the backward pass recomputes what policy drops
-                out = nnx.remat(_run_block, policy=policy, static_argnums=(4,))(
-                    block, x_BxTxM, positions, segment_ids, return_stats)
-            if return_stats:
-                x_BxTxM, max_abs_logit_H = out
-                max_abs_logit_LxH.append(max_abs_logit_H)
-            else:
-                x_BxTxM = out
-            x_BxTxM = constrain_batch(x_BxTxM)
+        x_BxTxM, max_abs_logit_LxH = self._scan_blocks(x_BxTxM, positions, segment_ids,
+                                                       return_stats)
         h_BxTxM = self.ln_f(x_BxTxM).astype(_dtype(cfg.compute_dtype))
         if self.lm_head is None:
             logits_BxTxV = self.embed.attend(h_BxTxM)
@@ -152,10 +173,27 @@ class Transformer(nnx.Module):
         if not return_stats:
             return logits_BxTxV
         stats = {
-            "attn_max_abs_logit": jnp.stack(max_abs_logit_LxH),
+            "attn_max_abs_logit": max_abs_logit_LxH,
             "lm_head_max_abs_logit": jax.lax.stop_gradient(jnp.max(jnp.abs(logits_BxTxV))),
         }
         return logits_BxTxV, stats
+
+    def _scan_blocks(self, x_BxTxM, positions, segment_ids, return_stats: bool):
+        """The blocks as one ``jax.lax.scan`` over their stacked parameters (``unroll_blocks``
+        says where the compiled loop is rolled). Returns (x, max_abs_logit [L, H] or None);
+        ``model.remat`` checkpoints each block."""
+        graphdef, stacked = stack_blocks(self.blocks)
+
+        def body(x_BxTxM, state):
+            x_BxTxM, stats_H, _ = nnx.merge(graphdef, state)(
+                x_BxTxM, positions=positions, segment_ids=segment_ids,
+                return_logit_stats=return_stats)
+            return constrain_batch(x_BxTxM), stats_H
+
+        policy = REMAT_POLICIES[self.cfg.remat]
+        if policy is not None:  # the backward pass recomputes what the policy drops
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        return jax.lax.scan(body, x_BxTxM, stacked, unroll=unroll_blocks())
 
     # -- decoding with a KV cache (ls_jax/generate.py) ---------------------------------------
 
@@ -188,12 +226,11 @@ class Transformer(nnx.Module):
         if self.pos_embed is not None:  # padding may sit past the table: clamp (never read)
             table_BxC = jnp.minimum(positions_BxC, cfg.max_seq_len - 1)
             x_BxCxM = x_BxCxM + self.pos_embed(table_BxC).astype(jnp.float32)
+        step = CacheStep(cache.lengths_B, new_lengths_B, fresh, decode_implementation)
         layers = []
         for block, layer_cache in zip(self.blocks, cache.layers):
-            x_BxCxM, layer_cache = block.decode(
-                x_BxCxM, layer_cache, positions_BxC=positions_BxC, old_lengths_B=cache.lengths_B,
-                new_lengths_B=new_lengths_B, fresh=fresh,
-                decode_implementation=decode_implementation)
+            x_BxCxM, _, layer_cache = block(x_BxCxM, positions=positions_BxC, cache=layer_cache,
+                                            step=step)
             layers.append(layer_cache)
         if logits_index_B is not None:
             x_BxCxM = jnp.take_along_axis(x_BxCxM, logits_index_B[:, None, None], axis=1)
@@ -206,11 +243,6 @@ class Transformer(nnx.Module):
         if logits_index_B is not None:
             logits = logits[:, 0]
         return logits, KVCache(tuple(layers), new_lengths_B.astype(jnp.int32))
-
-
-def _run_block(block, x_BxTxM, positions, segment_ids, return_logit_stats):
-    return block(x_BxTxM, positions=positions, segment_ids=segment_ids,
-                 return_logit_stats=return_logit_stats)
 
 
 def count_params(model: nnx.Module) -> int:

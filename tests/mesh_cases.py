@@ -103,11 +103,9 @@ def case_train(impl: str, meshes: str):
     from ls_jax.train import compile_train_fns
     extra = [f"model.attn_implementation={impl}"]
     if impl.startswith("pallas"):  # the model's kernel calls in Pallas interpret mode (CPU)
-        import functools
-
         from ls_jax import attention
         from ls_jax.kernels import ls_attention
-        attention.ls_attention = functools.partial(ls_attention, interpret=True)
+        attention.ls_attention = lambda *a, **kw: ls_attention(*a, **{**kw, "interpret": True})
     out = {"devices": jax.device_count(), "losses": {}}
     mesh_specs = meshes.split(",")
     for mesh_spec in mesh_specs:

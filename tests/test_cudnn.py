@@ -48,10 +48,10 @@ def inputs(H, G, seed=0):
             for key, s in zip(keys, shapes)]
 
 
-# (H, G, windows, expected calls (Hq, Hkv, window) in order of first appearance)
+# (H, G, windows, expected calls (Hq, Hkv, window): the global heads, then each window)
 CASES = [
     (4, 4, (None,) * 4, [(4, 4, None)]),
-    (4, 4, (5, None, 5, 30), [(2, 2, 5), (2, 2, None)]),          # interleaved; 30 >= T
+    (4, 4, (5, None, 5, 30), [(2, 2, None), (2, 2, 5)]),          # interleaved; 30 >= T
     (4, 2, (None, None, 5, 5), [(2, 1, None), (2, 1, 5)]),         # groups kept
     (4, 2, (None, 5, 5, 5), [(1, 1, None), (3, 3, 5)]),            # uneven: expanded
     (4, 1, (None, 3, None, 3), [(2, 1, None), (2, 1, 3)]),         # MQA

@@ -1,4 +1,7 @@
-"""The Flax NNX model: LSAttention alone, the Transformer, its options and its logit stats."""
+"""The Flax NNX model: LSAttention alone, the Transformer, its options and its logit stats, the
+scan over its blocks, and checkpoints of the model as it was before the scan."""
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -7,8 +10,13 @@ import pytest
 from flax import nnx
 
 import ls_jax.attention as attention_lib
+import ls_jax.model as model_lib
 from ls_jax import LSAttention, ModelConfig, Transformer
+from ls_jax.checkpoint import Checkpointer
+from ls_jax.config import Config, DataConfig, TrainConfig
 from ls_jax.loss import lm_loss
+from ls_jax.rundir import RunDir
+from ls_jax.state import abstract_train_state, restore_model
 
 SMALL = dict(vocab_size=64, n_layer=2, d_model=32, n_head=4, head_dim=8, window=4, max_seq_len=64)
 
@@ -84,9 +92,9 @@ def test_logit_stats_are_requested_from_the_kernel_only_when_asked(monkeypatch):
     model = Transformer(ModelConfig(**SMALL, n_global_heads=1), rngs=nnx.Rngs(0))
     tokens = jnp.zeros((1, 9), jnp.int32)
     plain = model(tokens)
-    assert asked == [False, False]  # one call per layer, none asking for statistics
+    assert asked == [False]  # the scan traces the block once; no statistics asked
     with_stats, _ = model(tokens, return_stats=True)
-    assert asked == [False, False, True, True]
+    assert asked == [False, True]
     np.testing.assert_array_equal(plain, with_stats)
 
 
@@ -138,3 +146,122 @@ def test_z_loss_term():
     ce = (lse - np.asarray(logits)[..., 0]).mean()
     assert float(plain) == pytest.approx(ce, rel=1e-5)
     assert float(with_z) == pytest.approx(ce + 1e-2 * (lse ** 2).mean(), rel=1e-5)
+
+
+# -- the blocks as one scan -------------------------------------------------------------------
+
+def count_primitives(fn, *args, names) -> int:
+    """How many equations of the given primitives the jaxpr of ``fn(*args)`` holds, nested
+    jaxprs (scan, jit, custom_vjp bodies) included."""
+    def walk(jaxpr):
+        n = 0
+        for eqn in jaxpr.eqns:
+            n += eqn.primitive.name in names
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                        n += walk(sub.jaxpr)
+                    elif isinstance(sub, jax.extend.core.Jaxpr):
+                        n += walk(sub)
+        return n
+    return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+@pytest.fixture(params=[True, False], ids=["unrolled", "rolled"])
+def unrolled(request, monkeypatch):
+    """Both compiled forms of the scan over blocks: unrolled (the CPU default) and a rolled
+    loop (GPU and TPU)."""
+    monkeypatch.setattr(model_lib, "unroll_blocks", lambda: request.param)
+    return request.param
+
+
+def test_scan_equals_the_blocks_applied_in_turn(unrolled):
+    """Logits and each layer's statistics of the scanned model equal the blocks called one
+    after the other (layer order kept: 3 layers of different parameters)."""
+    cfg = ModelConfig(**{**SMALL, "n_layer": 3}, n_global_heads=1)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(8), (2, 11), 0, 64)
+    logits, stats = model(tokens, return_stats=True)
+    x = model.embed(tokens) + model.pos_embed(jnp.arange(11)[None])
+    per_layer = []
+    for block in model.blocks:
+        x, stats_H, _ = block(x, positions=jnp.broadcast_to(jnp.arange(11), (2, 11)),
+                              return_logit_stats=True)
+        per_layer.append(stats_H)
+    np.testing.assert_allclose(logits, model.lm_head(model.ln_f(x)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats["attn_max_abs_logit"], np.stack(per_layer), rtol=1e-6)
+    assert len({float(s[0]) for s in per_layer}) == 3  # the layers differ
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+def test_compile_work_is_flat_in_depth(remat):
+    """The training forward+backward and the init hold as many matmuls and random draws for
+    6 layers as for 2: the block is traced once (a scan), each parameter drawn once for all
+    layers."""
+    def counts(n_layer):
+        cfg = ModelConfig(**{**SMALL, "n_layer": n_layer}, remat=remat)
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        tokens = jnp.zeros((1, 8), jnp.int32)
+        loss = lambda m: lm_loss(m(tokens[:, :-1]), tokens[:, 1:])[0]
+        graphdef, params = nnx.split(model)
+        grad = lambda p: jax.grad(lambda p: loss(nnx.merge(graphdef, p)))(p)
+        init = lambda key: nnx.state(Transformer(cfg, rngs=nnx.Rngs(params=key)))
+        return (count_primitives(grad, params, names={"dot_general"}),
+                count_primitives(init, jax.random.key(0), names={"random_bits"}))
+    assert counts(2) == counts(6)
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_keeps_loss_and_gradients(remat, unrolled):
+    tokens = jax.random.randint(jax.random.key(9), (2, 12), 0, 64)
+
+    def loss_and_grads(remat):
+        model = Transformer(ModelConfig(**SMALL, remat=remat), rngs=nnx.Rngs(0))
+        return nnx.value_and_grad(lambda m: lm_loss(m(tokens[:, :-1]), tokens[:, 1:])[0])(model)
+
+    want_loss, want_grads = loss_and_grads("none")
+    loss, grads = loss_and_grads(remat)
+    assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+# -- checkpoints of the per-layer model -------------------------------------------------------
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "per_layer_train_state.npz")
+
+
+def fixture_config() -> Config:
+    """The config tests/fixtures/per_layer_train_state.npz was made with."""
+    return Config(
+        name="fixture",
+        model=ModelConfig(vocab_size=16, n_layer=2, d_model=8, n_head=2, head_dim=4,
+                          n_global_heads=1, window=3, max_seq_len=16, mlp_ratio=2),
+        data=DataConfig(seq_len=12),
+        train=TrainConfig(batch_size=2, num_steps=4, warmup_steps=1, lr=1e-2))
+
+
+def test_a_checkpoint_of_the_per_layer_model_restores_with_identical_logits(tmp_path):
+    """The fixture is the train state after one step of the model as it was before the scan
+    (commit d6f1bb0: blocks called in a Python loop), keyed by path, with that model's logits
+    on a batch. Written as a checkpoint with today's code, it restores (same paths, shapes
+    and dtypes: the layout did not change) and gives the same logits bit for bit."""
+    saved = np.load(FIXTURE)
+    cfg = fixture_config()
+    graphdef, abstract = abstract_train_state(cfg)
+    flat = nnx.to_flat_state(abstract)
+    key = lambda path: "state/" + "/".join(map(str, path))
+    assert {key(p) for p, _ in flat} == {k for k in saved.files if k.startswith("state/")}
+    for path, var in flat:
+        a = saved[key(path)]
+        assert (a.shape, a.dtype) == (var.get_value().shape, var.get_value().dtype), path
+    state = nnx.from_flat_state([(p, v.replace(jnp.asarray(saved[key(p)]))) for p, v in flat])
+    run = RunDir(str(tmp_path))
+    run.write_config(cfg)
+    ckpt = Checkpointer(run, async_save=False)
+    ckpt.save(1, state)
+    ckpt.close()
+    _, step, model = restore_model(run)
+    assert step == 1
+    logits = nnx.jit(lambda m, tokens: m(tokens))(model, jnp.asarray(saved["tokens"]))
+    np.testing.assert_array_equal(np.asarray(logits), saved["logits"])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ls_jax.kernels import ls_attention, split
-from ls_jax.kernels.heads import kv_for_heads
+from ls_jax.kernels.heads import kv_for_heads, split_heads
 from ls_jax.kernels.pallas_gpu import Launch, Launches, TritonConfig
 from ls_jax.kernels.reference import reference_attention_parts
 
@@ -64,7 +64,7 @@ def calls(monkeypatch):
 def local_launches(windows, k, num_heads):
     """One Triton launch on ``TILES`` over the local heads, for as many kv heads as the backend
     gives them (shapes only: nothing enters the caller's trace)."""
-    _, local = split.split_heads(windows, k.shape[1])
+    local = split_heads(windows, k.shape[1]).local_heads
     if not local:
         return None
     num_kv = jax.eval_shape(lambda k: kv_for_heads(k, k, local, num_heads)[0], k).shape[2]

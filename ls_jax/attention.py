@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ls_jax.kernels import ls_attention, normalize_window_sizes
-from ls_jax.kernels.decode import cached_attention
+from ls_jax.kernels.decode import CacheGroup, cached_attention, decode_step_attention
 from ls_jax.kernels.heads import take_heads
 from ls_jax.kernels.sharded import ls_attention_sharded
 from ls_jax.kv_cache import (CacheLayout, LayerCache, global_positions, ring_positions,
@@ -123,9 +123,10 @@ class LSAttention(nnx.Module):
           padding: written nowhere that a later query reads).
         fresh: the cache is empty and the tokens sit at positions 0 .. C-1 in every row (the
           first prefill chunk): the chunk's attention is one ``ls_attention`` call, the
-          full-sequence kernel. Otherwise queries read the cache
-          through ``kernels.decode.cached_attention``; with C == 1 (a decode step) local heads
-          read only their ring buffer.
+          full-sequence kernel. With C == 1 (a decode step) one
+          ``kernels.decode.decode_step_attention`` call writes the token into the cache and
+          attends (local heads read only their ring buffer). Otherwise queries read the cache
+          through ``kernels.decode.cached_attention``.
         Returns (y [B, C, d_model], the updated LayerCache).
         """
 
@@ -135,6 +136,12 @@ class LSAttention(nnx.Module):
         q_BxCxHxD, k_BxCxGxD = norm_and_rope(
             q_BxCxHxD, k_BxCxGxD, positions_BxC, q_norm=self.q_norm, k_norm=self.k_norm,
             rope_theta=self.rope_theta, dtype=self.dtype)
+        if C == 1 and not fresh:
+            out_BxHxD, cache = decode_step(
+                layout, cache, q_BxCxHxD[:, 0], k_BxCxGxD[:, 0], v_BxCxGxD[:, 0],
+                positions_BxC[:, 0], old_lengths_B, new_lengths_B, self.window_sizes,
+                decode_implementation)
+            return self.o_proj(out_BxHxD.reshape(B, 1, self.n_head * self.head_dim)), cache
 
         k_glob, v_glob = (take_heads(x, layout.global_kv) for x in (k_BxCxGxD, v_BxCxGxD))
         k_loc, v_loc = (take_heads(x, layout.local_kv) for x in (k_BxCxGxD, v_BxCxGxD))
@@ -156,8 +163,6 @@ class LSAttention(nnx.Module):
             out_BxCxHxD = ls_attention(q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, self.window_sizes,
                                        implementation=self.implementation)
         else:
-            if C > 1 and decode_implementation == "pallas_gpu":  # that kernel: 1 query per row
-                decode_implementation = "xla"
             q_sorted = take_heads(q_BxCxHxD, layout.q_order)
             n_qg = len(layout.global_windows)
             q_pos_BxC = jnp.where(positions_BxC < new_lengths_B[:, None], positions_BxC, -1)
@@ -168,14 +173,11 @@ class LSAttention(nnx.Module):
                     global_positions(new_lengths_B, k_global.shape[1]), layout.global_windows,
                     implementation=decode_implementation))
             if layout.local_kv:
-                P = layout.ring_size
-                if C == 1:  # a decode step: the updated ring holds every key in the window
-                    k_read, v_read = k_local, v_local
-                    k_pos = ring_positions(new_lengths_B, P)
-                else:  # a prefill chunk: the old ring, then the chunk's own keys
-                    k_read = jnp.concatenate([cache.k_local, k_loc.astype(k_local.dtype)], 1)
-                    v_read = jnp.concatenate([cache.v_local, v_loc.astype(v_local.dtype)], 1)
-                    k_pos = jnp.concatenate([ring_positions(old_lengths_B, P), q_pos_BxC], 1)
+                # the old ring, then the chunk's own keys
+                k_read = jnp.concatenate([cache.k_local, k_loc.astype(k_local.dtype)], 1)
+                v_read = jnp.concatenate([cache.v_local, v_loc.astype(v_local.dtype)], 1)
+                k_pos = jnp.concatenate(
+                    [ring_positions(old_lengths_B, layout.ring_size), q_pos_BxC], 1)
                 parts.append(cached_attention(
                     q_sorted[:, :, n_qg:], k_read, v_read, q_pos_BxC, k_pos,
                     layout.local_windows, implementation=decode_implementation))
@@ -183,6 +185,30 @@ class LSAttention(nnx.Module):
             out_BxCxHxD = take_heads(out_sorted, layout.q_inverse).astype(q_BxCxHxD.dtype)
         y_BxCxM = self.o_proj(out_BxCxHxD.reshape(B, C, self.n_head * self.head_dim))
         return y_BxCxM, LayerCache(k_global, v_global, k_local, v_local)
+
+
+def decode_step(layout: CacheLayout, cache: LayerCache, q_BxHxD, k_BxGxD, v_BxGxD, positions_B,
+                old_lengths_B, new_lengths_B, window_sizes, decode_implementation):
+    """One new token per row at ``positions_B`` (a row whose position is not below
+    ``new_lengths_B`` is padding: it writes nothing): the key/value go to slot = position of
+    the global cache and slot = position mod P of the ring, and every head attends, in one
+    ``kernels.decode.decode_step_attention`` call. Returns (out [B, H, D], the LayerCache)."""
+    q_pos_B = jnp.where(positions_B < new_lengths_B, positions_B, -1)
+    groups = []
+    if layout.global_kv:
+        groups.append(CacheGroup(cache.k_global, cache.v_global,
+                                 global_positions(old_lengths_B, cache.k_global.shape[1]),
+                                 positions_B, layout.global_kv))
+    if layout.local_kv:
+        P = layout.ring_size
+        groups.append(CacheGroup(cache.k_local, cache.v_local, ring_positions(old_lengths_B, P),
+                                 jnp.mod(positions_B, P), layout.local_kv))
+    out_BxHxD, written = decode_step_attention(
+        q_BxHxD, k_BxGxD, v_BxGxD, q_pos_B, groups, window_sizes,
+        implementation=decode_implementation)
+    k_global, v_global = written[0] if layout.global_kv else (cache.k_global, cache.v_global)
+    k_local, v_local = written[-1] if layout.local_kv else (cache.k_local, cache.v_local)
+    return out_BxHxD, LayerCache(k_global, v_global, k_local, v_local)
 
 
 def norm_and_rope(q_BxTxHxD, k_BxTxGxD, positions_BxT, *, q_norm, k_norm, rope_theta, dtype):

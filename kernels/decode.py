@@ -1,38 +1,85 @@
-"""Attention of a few new queries over a key/value cache (decoding and chunked prefill).
+"""Attention over a key/value cache: a decode step (one new token per row) and a prefill chunk.
 
 Where ``ls_attention`` takes queries and keys of one sequence (query i, key j, both at
 position = index), a cache holds keys in *slots* whose positions are given explicitly: a
 global head's cache has slot s = position s, a local head's ring buffer has slot s = the
-latest position congruent to s modulo its size. So this entry point takes the positions:
-
-    cached_attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, q_pos_BxT, k_pos_BxS, window_sizes)
+latest position congruent to s modulo its size. So these entry points take the positions.
 
 Query i of row b, head h (window w, None = global) sees slot s iff
 
     k_pos[b, s] >= 0  and  k_pos[b, s] <= q_pos[b, i]  and  q_pos[b, i] - k_pos[b, s] < w
 
-(k_pos = -1 marks an empty slot). GQA as in ``ls_attention``: query head h reads kv head
-h // (Hq // Hkv). A query with no visible slot (a padding query) gets output 0.
+(k_pos = -1 marks an empty slot, q_pos = -1 a padding query, which sees nothing and gets
+output 0). GQA as in ``ls_attention``: query head h reads kv head h // (Hq // Hkv).
 
-Backends: "reference" (float32 at HIGHEST precision: the oracle), "xla" (the same masked
-softmax in the inputs' dtype with float32 accumulation: what runs by default), and
-"pallas_gpu" (kernels/pallas_gpu/decode.py: one new query per row, the decode step).
+Two entry points:
+
+- ``decode_step_attention``: one new token per row. It writes the token's key and value
+  into every cache group (a group: the slots of some kv heads, e.g. the global heads' full
+  history and the local heads' ring) at the slot the caller names, and attends over every
+  group at once, the new key included. On a GPU this is one kernel launch per layer
+  (``kernels/pallas_gpu/decode.py``).
+- ``cached_attention``: T queries per row over one cache (a prefill chunk after the first).
+
+Backends: "reference" (float32 at HIGHEST precision: the oracle), "xla" (a masked softmax in
+the cache's dtype with float32 accumulation) and, for decode steps, "pallas_gpu".
+``choose_decode_implementation`` is the one place that picks a backend when none is named.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
 from ls_jax.kernels.api import SUPPORTED_DTYPES, normalize_window_sizes
 from ls_jax.kernels.band import allowed, window_array
-from ls_jax.kernels.heads import kv_group_size
+from ls_jax.kernels.dispatch import current_platform
+from ls_jax.kernels.heads import kv_group_size, merge_heads, take_heads
 from ls_jax.kernels.reference import default_scale
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 DECODE_IMPLEMENTATIONS = ("reference", "xla", "pallas_gpu")
 
+
+# -- which backend ----------------------------------------------------------------------------
+
+def choose_decode_implementation(implementation: str | None, *, one_query: bool,
+                                 head_dim: int, platform: str | None = None) -> str:
+    """The backend of a cache attention call: ``implementation`` when named, else by case.
+
+    | case | backend | why |
+    |---|---|---|
+    | a decode step (one query per row) on CUDA, head_dim a power of two | "pallas_gpu" | one launch per layer writes the new key/value into every cache group and attends over all heads; "xla" needs per group a scatter per cache array and a dot, a masked softmax and a second dot, and a step of a small model is bound by its launches |
+    | a prefill chunk (several queries per row), whatever was named | "xla" or "reference" | the Pallas kernel holds one query per program; a chunk is a matrix product that XLA's dots do well |
+    | anything else | "xla" | runs on every platform |
+
+    ``platform``: ``kernels.dispatch.current_platform()`` unless given (tests).
+    """
+    if implementation is not None and implementation not in DECODE_IMPLEMENTATIONS:
+        raise ValueError(f"implementation: expected None or one of {DECODE_IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+    if not one_query:  # a chunk: the Pallas kernel takes one query per row
+        return "reference" if implementation == "reference" else "xla"
+    if implementation is not None:
+        return implementation
+    platform = current_platform() if platform is None else platform
+    pow2 = head_dim >= 1 and not head_dim & (head_dim - 1)  # Triton's block shapes
+    return "pallas_gpu" if platform == "cuda" and pow2 else "xla"
+
+
+def _backend_dtype(implementation: str, cache_dtype):
+    """(compute dtype, dot precision): "reference" float32 at HIGHEST; "xla" the cache's
+    dtype (a bf16 cache stays bf16 in HBM) with float32 accumulation."""
+    if implementation == "reference":
+        return jnp.float32, _HIGHEST
+    return cache_dtype, None
+
+
+# -- a prefill chunk: T queries over one cache --------------------------------------------------
 
 def visible_mask(q_pos_BxT, k_pos_BxS, windows_H) -> jax.Array:
     """bool [B, H, T, S]: query (b, i) of head h may read slot (b, s)."""
@@ -65,20 +112,6 @@ def _masked_softmax_attention(q, k, v, q_pos, k_pos, window_sizes, scale, *, dty
     return out_BxKxRxTxD.transpose(0, 3, 1, 2, 4).reshape(B, T, Hq, D).astype(q.dtype)
 
 
-def reference_cached_attention(q, k, v, q_pos, k_pos, *, window_sizes, scale, interpret):
-    """float32 at HIGHEST precision: the oracle."""
-    del interpret
-    return _masked_softmax_attention(q, k, v, q_pos, k_pos, window_sizes, scale,
-                                     dtype=jnp.float32, precision=_HIGHEST)
-
-
-def xla_cached_attention(q, k, v, q_pos, k_pos, *, window_sizes, scale, interpret):
-    """The cache's dtype (bf16 caches stay bf16 in HBM), float32 accumulation and softmax."""
-    del interpret
-    return _masked_softmax_attention(q, k, v, q_pos, k_pos, window_sizes, scale,
-                                     dtype=k.dtype, precision=None)
-
-
 def _check(q, k, v, q_pos, k_pos):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
@@ -98,32 +131,162 @@ def _check(q, k, v, q_pos, k_pos):
         raise ValueError(f"k_pos: expected int [B={B}, S={S}], got {k_pos.dtype} {k_pos.shape}")
 
 
-def get_decode_backend(implementation: str):
-    """The decode backend function called ``implementation`` (the Pallas one imported lazily)."""
-    if implementation == "reference":
-        return reference_cached_attention
-    if implementation == "xla":
-        return xla_cached_attention
-    if implementation == "pallas_gpu":
-        from ls_jax.kernels.pallas_gpu.decode import pallas_gpu_cached_attention
-        return pallas_gpu_cached_attention
-    raise ValueError(f"implementation: expected None or one of {DECODE_IMPLEMENTATIONS}, "
-                     f"got {implementation!r}")
-
-
 def cached_attention(q, k, v, q_pos, k_pos, window_sizes, *, scale=None,
-                     implementation=None, interpret=False):
+                     implementation=None):
     """Attention of queries [B, T, Hq, D] at positions q_pos [B, T] over cache slots
     k, v [B, S, Hkv, D] at positions k_pos [B, S] (-1: empty); see the module docstring.
 
-    implementation: None ("xla"), "reference", "xla" or "pallas_gpu" (T == 1 only; with
-      ``interpret=True`` it runs in Pallas interpret mode on CPU).
+    implementation: None, "reference", "xla" or "pallas_gpu" (``choose_decode_implementation``:
+      a chunk of several queries runs "xla" unless "reference" is named).
     Returns [B, T, Hq, D] in q's dtype.
     """
     _check(q, k, v, q_pos, k_pos)
     window_sizes = normalize_window_sizes(window_sizes, q.shape[2])
     if scale is None:
         scale = default_scale(q.shape[-1])
-    fn = get_decode_backend(implementation or "xla")
-    return fn(q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),
-              window_sizes=window_sizes, scale=float(scale), interpret=interpret)
+    impl = choose_decode_implementation(implementation, one_query=False, head_dim=q.shape[-1])
+    dtype, precision = _backend_dtype(impl, k.dtype)
+    return _masked_softmax_attention(q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),
+                                     window_sizes, float(scale), dtype=dtype,
+                                     precision=precision)
+
+
+# -- a decode step: one new token per row, written into the cache and attended with it ------
+
+@dataclasses.dataclass(frozen=True)
+class CacheGroup:
+    """The cache slots of some kv heads, as ``decode_step_attention`` reads and writes them.
+
+    k, v: [B, S, G, D], the slots of G kv heads.
+    k_pos: int [B, S], the position each slot holds before this step (-1: empty).
+    slot_B: int [B], the slot whose content this step's key and value replace (a slot outside
+      [0, S) is not written; the row's query still sees its own key).
+    kv_heads: which of the new token's kv heads the G cache heads hold, in order (static).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    k_pos: jax.Array
+    slot_B: jax.Array
+    kv_heads: tuple[int, ...]
+
+
+def _check_step(q, k_new, v_new, q_pos, groups) -> None:
+    for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new)):
+        if getattr(x, "ndim", None) != 3:
+            raise ValueError(f"{name}: expected rank 3 [B, heads, D], got shape "
+                             f"{getattr(x, 'shape', None)}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name}: expected dtype float32, bfloat16 or float16, got {x.dtype}")
+    B, Hq, D = q.shape
+    if k_new.shape != v_new.shape:
+        raise ValueError(f"k_new and v_new: expected the same shape, got {k_new.shape} and "
+                         f"{v_new.shape}")
+    Bk, Hkv, Dk = k_new.shape
+    if (Bk, Dk) != (B, D) or Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"k_new: expected [B={B}, Hkv dividing {Hq}, D={D}], got {k_new.shape}")
+    if tuple(q_pos.shape) != (B,) or not jnp.issubdtype(q_pos.dtype, jnp.integer):
+        raise ValueError(f"q_pos: expected int [B={B}], got {q_pos.dtype} {q_pos.shape}")
+    held = sorted(h for g in groups for h in g.kv_heads)
+    if held != list(range(Hkv)):
+        raise ValueError(f"groups: expected every kv head 0..{Hkv - 1} in exactly one group, "
+                         f"got kv_heads {[g.kv_heads for g in groups]}")
+    for i, g in enumerate(groups):
+        S = g.k.shape[1] if getattr(g.k, "ndim", None) == 4 else None
+        want = (B, S, len(g.kv_heads), D)
+        if S is None or g.k.shape != want or g.v.shape != want:
+            raise ValueError(f"groups[{i}].k/v: expected [B={B}, S, G={len(g.kv_heads)}, "
+                             f"D={D}], got {getattr(g.k, 'shape', None)} and "
+                             f"{getattr(g.v, 'shape', None)}")
+        if g.k.dtype not in SUPPORTED_DTYPES or g.v.dtype != g.k.dtype:
+            raise ValueError(f"groups[{i}].k/v: expected one dtype of float32, bfloat16 or "
+                             f"float16, got {g.k.dtype} and {g.v.dtype}")
+        if tuple(g.k_pos.shape) != (B, S) or not jnp.issubdtype(g.k_pos.dtype, jnp.integer):
+            raise ValueError(f"groups[{i}].k_pos: expected int [B={B}, S={S}], got "
+                             f"{g.k_pos.dtype} {g.k_pos.shape}")
+        if tuple(g.slot_B.shape) != (B,) or not jnp.issubdtype(g.slot_B.dtype, jnp.integer):
+            raise ValueError(f"groups[{i}].slot_B: expected int [B={B}], got "
+                             f"{g.slot_B.dtype} {g.slot_B.shape}")
+
+
+def _step_masked_softmax(q, k_new, v_new, q_pos, groups, window_sizes, scale, *, implementation):
+    """"reference" / "xla" decode step: per group a scatter of the new key and value, then a
+    masked softmax over the group's slots (the replaced slot left out) and the new key."""
+    B, Hq, D = q.shape
+    r = Hq // k_new.shape[1]
+    rows = jnp.arange(B)
+    real_B = q_pos >= 0
+    windows = window_array(window_sizes)
+    outs, heads_of_outs, written = [], [], []
+    for g in groups:
+        S = g.k.shape[1]
+        dtype, precision = _backend_dtype(implementation, g.k.dtype)
+        # padding rows and slots outside the cache write nothing (index S: dropped)
+        slot_B = jnp.where(real_B & (g.slot_B >= 0) & (g.slot_B < S), g.slot_B, S)
+        k_self = take_heads(k_new, g.kv_heads, axis=1).astype(g.k.dtype)  # [B, G, D]
+        v_self = take_heads(v_new, g.kv_heads, axis=1).astype(g.k.dtype)
+        k = g.k.at[rows, slot_B].set(k_self, mode="drop")
+        v = g.v.at[rows, slot_B].set(v_self, mode="drop")
+        written.append((k, v))
+        q_heads = tuple(h for kv in g.kv_heads for h in range(kv * r, (kv + 1) * r))
+        G = len(g.kv_heads)
+        q_BxGxRxD = take_heads(q, q_heads, axis=1).reshape(B, G, r, D).astype(dtype)
+        # the replaced slot's old content is gone: it is the new key now, counted below
+        k_pos_BxS = jnp.where(jnp.arange(S)[None, :] == slot_B[:, None], -1, g.k_pos)
+        w_GxR = jnp.asarray(windows[list(q_heads)]).reshape(G, r)
+        mask_BxGxRxS = (k_pos_BxS[:, None, None, :] >= 0) & allowed(
+            q_pos[:, None, None, None], k_pos_BxS[:, None, None, :], w_GxR[None, :, :, None])
+        logits_BxGxRxS = scale * jnp.einsum("bgrd,bsgd->bgrs", q_BxGxRxD, k.astype(dtype),
+                                            precision=precision,
+                                            preferred_element_type=jnp.float32)
+        self_BxGxR = scale * jnp.einsum("bgrd,bgd->bgr", q_BxGxRxD, k_self.astype(dtype),
+                                        precision=precision, preferred_element_type=jnp.float32)
+        logits_BxGxRxS = jnp.where(mask_BxGxRxS, logits_BxGxRxS, -jnp.inf)
+        m_BxGxR = jnp.maximum(jnp.max(logits_BxGxRxS, axis=-1), self_BxGxR)
+        p_BxGxRxS = jnp.where(mask_BxGxRxS, jnp.exp(logits_BxGxRxS - m_BxGxR[..., None]), 0.0)
+        p_self_BxGxR = jnp.where(real_B[:, None, None], jnp.exp(self_BxGxR - m_BxGxR), 0.0)
+        denom_BxGxR = jnp.sum(p_BxGxRxS, axis=-1) + p_self_BxGxR
+        out_BxGxRxD = jnp.einsum("bgrs,bsgd->bgrd", p_BxGxRxS.astype(dtype), v.astype(dtype),
+                                 precision=precision, preferred_element_type=jnp.float32)
+        out_BxGxRxD = out_BxGxRxD + p_self_BxGxR[..., None] * v_self.astype(jnp.float32)[:, :, None]
+        out_BxGxRxD = out_BxGxRxD / jnp.where(denom_BxGxR > 0, denom_BxGxR, 1.0)[..., None]
+        outs.append(out_BxGxRxD.reshape(B, G * r, D).astype(q.dtype))
+        heads_of_outs.append(q_heads)
+    return merge_heads(outs, heads_of_outs, axis=1), tuple(written)
+
+
+def decode_step_attention(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B,
+                          groups: Sequence[CacheGroup], window_sizes, *, scale=None,
+                          implementation=None, interpret=False):
+    """One decode step: each row's new token (query q_BxHxD, key and value k/v_new_BxGxD, at
+    position q_pos_B; -1: a padding row) is written into every cache group at the group's
+    ``slot_B``, and its query heads attend over their kv head's group and the new key.
+
+    Query head h (window w) reads kv head h // (Hq // Hkv), which exactly one group holds; it
+    sees the group's slots that the module docstring's rule allows, except the replaced slot,
+    and the new key (offset 0 is inside every window). A padding row writes nothing and gets
+    output 0.
+
+    implementation: None (``choose_decode_implementation``), "reference", "xla" or
+      "pallas_gpu" (``interpret=True``: Pallas interpret mode, on CPU).
+    Returns (out [B, Hq, D] in q's dtype, ((k, v) of each group after the write)).
+    """
+    groups = tuple(groups)
+    _check_step(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, groups)
+    window_sizes = normalize_window_sizes(window_sizes, q_BxHxD.shape[1])
+    D = q_BxHxD.shape[-1]
+    scale = float(default_scale(D) if scale is None else scale)
+    impl = choose_decode_implementation(implementation, one_query=True, head_dim=D)
+    q_pos_B = q_pos_B.astype(jnp.int32)
+    groups = tuple(dataclasses.replace(g, k_pos=g.k_pos.astype(jnp.int32),
+                                       slot_B=g.slot_B.astype(jnp.int32)) for g in groups)
+    if impl == "pallas_gpu":
+        from ls_jax.kernels.pallas_gpu.decode import pallas_gpu_decode_step
+
+        return pallas_gpu_decode_step(
+            q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B,
+            tuple((g.k, g.v, g.k_pos, g.slot_B) for g in groups),
+            kv_heads=tuple(g.kv_heads for g in groups), window_sizes=window_sizes,
+            scale=scale, interpret=interpret)
+    return _step_masked_softmax(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, groups,
+                                window_sizes, scale, implementation=impl)

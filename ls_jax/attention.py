@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ls_jax.kernels import ls_attention, normalize_window_sizes
-from ls_jax.kernels.decode import cached_attention
+from ls_jax.kernels.decode import CacheGroup, cached_attention, decode_step_attention
 from ls_jax.kernels.dispatch import IMPLEMENTATIONS, INTERPRET_IMPLEMENTATIONS
 from ls_jax.kernels.heads import kv_group_size, take_heads
 from ls_jax.kv_cache import (CacheLayout, CacheStep, LayerCache, global_positions,
@@ -196,14 +196,20 @@ class LSAttention(nnx.Module):
 
         A fresh step (an empty cache, positions 0 .. C-1: the first prefill chunk) attends with
         one ``ls_attention`` call, the full-sequence kernel. Otherwise queries read the cache
-        through ``kernels.decode.cached_attention``; with C == 1 (a decode step) local heads
-        read only their ring buffer. Returns (y [B, C, d_model], the updated LayerCache).
+        through ``kernels.decode.cached_attention``; with C == 1 (a decode step) one
+        ``kernels.decode.decode_step_attention`` call writes the token and attends (local heads
+        read only their ring buffer). Returns (y [B, C, d_model], the updated LayerCache).
         """
         B, C = q_BxCxHxD.shape[:2]
         layout = self.cache_layout(cache.k_global.shape[1])
         q_BxCxHxD, k_BxCxGxD = norm_and_rope(
             q_BxCxHxD, k_BxCxGxD, positions_BxC, q_norm=self.q_norm, k_norm=self.k_norm,
             rope_theta=self.rope_theta, dtype=self.dtype)
+        if C == 1 and not step.fresh:
+            out_BxHxD, new_cache = decode_step(
+                layout, cache, q_BxCxHxD[:, 0], k_BxCxGxD[:, 0], v_BxCxGxD[:, 0],
+                positions_BxC[:, 0], step, self.window_sizes, interpret=self.interpret)
+            return self.o_proj(out_BxHxD.reshape(B, 1, self.n_head * self.head_dim)), new_cache
         new_cache = write_layer(cache, layout, k_BxCxGxD, v_BxCxGxD, positions_BxC, step)
         if step.fresh:
             out_BxCxHxD = ls_attention(q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, self.window_sizes,
@@ -217,14 +223,9 @@ class LSAttention(nnx.Module):
 
     def _read_cache(self, q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, layout, old, new, positions_BxC,
                     step):
-        """The new queries' attention over the cache: the global kv heads' part over the
-        written global cache, the local ones' over the ring (a decode step: the updated ring
-        holds every key in the window; a prefill chunk: the old ring, then the chunk's own
-        keys), put back in head order."""
-        C = q_BxCxHxD.shape[1]
-        implementation = step.decode_implementation
-        if C > 1 and implementation == "pallas_gpu":  # that kernel: 1 query per row
-            implementation = "xla"
+        """A prefill chunk's attention over the cache: the global kv heads' part over the
+        written global cache, the local ones' over the old ring, then the chunk's own keys,
+        put back in head order."""
         new_lengths_B = step.new_lengths_B
         q_sorted = take_heads(q_BxCxHxD, layout.q_order)
         n_qg = len(layout.global_windows)
@@ -234,22 +235,43 @@ class LSAttention(nnx.Module):
             parts.append(cached_attention(
                 q_sorted[:, :, :n_qg], new.k_global, new.v_global, q_pos_BxC,
                 global_positions(new_lengths_B, new.k_global.shape[1]), layout.global_windows,
-                implementation=implementation, interpret=self.interpret))
+                implementation=step.decode_implementation))
         if layout.local_kv:
-            P = layout.ring_size
-            if C == 1:
-                k_read, v_read = new.k_local, new.v_local
-                k_pos = ring_positions(new_lengths_B, P)
-            else:
-                k_loc, v_loc = (take_heads(x, layout.local_kv) for x in (k_BxCxGxD, v_BxCxGxD))
-                k_read = jnp.concatenate([old.k_local, k_loc.astype(old.k_local.dtype)], 1)
-                v_read = jnp.concatenate([old.v_local, v_loc.astype(old.v_local.dtype)], 1)
-                k_pos = jnp.concatenate([ring_positions(step.old_lengths_B, P), q_pos_BxC], 1)
+            k_loc, v_loc = (take_heads(x, layout.local_kv) for x in (k_BxCxGxD, v_BxCxGxD))
+            k_read = jnp.concatenate([old.k_local, k_loc.astype(old.k_local.dtype)], 1)
+            v_read = jnp.concatenate([old.v_local, v_loc.astype(old.v_local.dtype)], 1)
+            k_pos = jnp.concatenate(
+                [ring_positions(step.old_lengths_B, layout.ring_size), q_pos_BxC], 1)
             parts.append(cached_attention(
                 q_sorted[:, :, n_qg:], k_read, v_read, q_pos_BxC, k_pos, layout.local_windows,
-                implementation=implementation, interpret=self.interpret))
+                implementation=step.decode_implementation))
         out_sorted = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
         return take_heads(out_sorted, layout.q_inverse).astype(q_BxCxHxD.dtype)
+
+
+def decode_step(layout: CacheLayout, cache: LayerCache, q_BxHxD, k_BxGxD, v_BxGxD, positions_B,
+                step: CacheStep, window_sizes, *, interpret: bool = False):
+    """One new token per row at ``positions_B`` (a row whose position is not below
+    ``step.new_lengths_B`` is padding: it writes nothing): the key/value go to slot = position
+    of the global cache and slot = position mod P of the ring, and every head attends, in one
+    ``kernels.decode.decode_step_attention`` call. Returns (out [B, H, D], the LayerCache)."""
+    q_pos_B = jnp.where(positions_B < step.new_lengths_B, positions_B, -1)
+    groups = []
+    if layout.global_kv:
+        groups.append(CacheGroup(cache.k_global, cache.v_global,
+                                 global_positions(step.old_lengths_B, cache.k_global.shape[1]),
+                                 positions_B, layout.global_kv))
+    if layout.local_kv:
+        P = layout.ring_size
+        groups.append(CacheGroup(cache.k_local, cache.v_local,
+                                 ring_positions(step.old_lengths_B, P),
+                                 jnp.mod(positions_B, P), layout.local_kv))
+    out_BxHxD, written = decode_step_attention(
+        q_BxHxD, k_BxGxD, v_BxGxD, q_pos_B, groups, window_sizes,
+        implementation=step.decode_implementation, interpret=interpret)
+    k_global, v_global = written[0] if layout.global_kv else (cache.k_global, cache.v_global)
+    k_local, v_local = written[-1] if layout.local_kv else (cache.k_local, cache.v_local)
+    return out_BxHxD, LayerCache(k_global, v_global, k_local, v_local)
 
 
 def norm_and_rope(q_BxTxHxD, k_BxTxGxD, positions_BxT, *, q_norm, k_norm, rope_theta, dtype):

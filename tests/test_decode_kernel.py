@@ -1,13 +1,14 @@
-"""kernels/decode.py: cached attention backends against an explicit per-query loop (CPU;
-the Pallas GPU decode kernel in interpret mode)."""
+"""kernels/decode.py: cached attention (prefill chunks) and the decode step (write + attend)
+against explicit per-query loops on CPU, the Pallas GPU decode step in interpret mode, its
+lowering to Triton for an H100 (no GPU needed), and the backend choice."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ls_jax.kernels.decode import cached_attention
-from ls_jax.kernels.pallas_gpu.decode import pallas_gpu_cached_attention
+from ls_jax.kernels.decode import (CacheGroup, cached_attention, choose_decode_implementation,
+                                   decode_step_attention)
 
 
 def loop_attention(q, k, v, q_pos, k_pos, windows):
@@ -48,28 +49,157 @@ WINDOWS = (None, 5, 3, None)
 
 @pytest.mark.parametrize("impl", ["reference", "xla"])
 @pytest.mark.parametrize("T", [1, 4])
-def test_backends_match_the_loop(impl, T):
+def test_chunk_backends_match_the_loop(impl, T):
     q, k, v, q_pos, k_pos = case(T)
     want = loop_attention(q, k, v, np.asarray(q_pos), np.asarray(k_pos), WINDOWS)
     got = cached_attention(q, k, v, q_pos, k_pos, WINDOWS, implementation=impl)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("block_s", [16, 64])  # 3 splits with a ragged tail / one block
-def test_pallas_gpu_decode_interpret_matches_reference(block_s):
-    q, k, v, q_pos, k_pos = case(1)
-    ref = cached_attention(q, k, v, q_pos, k_pos, WINDOWS, implementation="reference")
-    got = pallas_gpu_cached_attention(q, k, v, q_pos, k_pos, window_sizes=WINDOWS,
-                                      scale=0.25, interpret=True, block_s=block_s)
-    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)
-
-
-def test_bf16_cache_close_to_float32():
-    q, k, v, q_pos, k_pos = case(1)
+def test_chunk_bf16_cache_close_to_float32():
+    q, k, v, q_pos, k_pos = case(4)
     ref = cached_attention(q, k, v, q_pos, k_pos, WINDOWS, implementation="reference")
     got = cached_attention(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), q_pos, k_pos,
                            WINDOWS, implementation="xla")
     np.testing.assert_allclose(got, ref, atol=3e-2)
+
+
+# -- the decode step ------------------------------------------------------------------------
+
+STEP_WINDOWS = (None, 4, 8, None, 3, 6)  # 6 query heads over 3 kv heads (GQA groups of 2)
+
+
+def step_case(S_global=37, P=5, D=16, B=3):
+    """Two groups: kv heads (0, 2) in a 37-slot cache, kv head 1 in a 5-slot ring. Row 0: slot
+    = position, 30 written, the token at 30; row 1: scrambled positions, the token at 20, and
+    the ring slot it replaces holds position 18, inside kv head 1's windows (so a slot that
+    were not left out would change the result); row 2: padding."""
+    ks = jax.random.split(jax.random.key(1), 7)
+    q = jax.random.normal(ks[0], (B, 6, D))
+    k_new, v_new = (jax.random.normal(ks[i], (B, 3, D)) for i in (1, 2))
+    kg, vg = (jax.random.normal(ks[i], (B, S_global, 2, D)) for i in (3, 4))
+    kr, vr = (jax.random.normal(ks[i], (B, P, 1, D)) for i in (5, 6))
+    s = np.arange(S_global)
+    pos_g = np.stack([np.where(s < 30, s, -1), s[::-1] - 3, np.where(s < 9, s, -1)])
+    pos_r = np.array([[25, 26, 27, 28, 29], [15, 16, 17, 18, 19], [5, 6, 7, 8, -1]])
+    q_pos = np.array([30, 20, -1])
+    groups = (CacheGroup(kg, vg, jnp.asarray(pos_g, jnp.int32), jnp.asarray([30, 36, 9]),
+                         (0, 2)),
+              CacheGroup(kr, vr, jnp.asarray(pos_r, jnp.int32), jnp.asarray([0, 3, 4]), (1,)))
+    return q, k_new, v_new, jnp.asarray(q_pos, jnp.int32), groups
+
+
+def loop_step(q, k_new, v_new, q_pos, groups, windows):
+    """numpy: (out [B, H, D], [(k, v) per group]) of one decode step, one head at a time."""
+    q, k_new, v_new = (np.asarray(x, np.float64) for x in (q, k_new, v_new))
+    B, Hq, D = q.shape
+    r = Hq // k_new.shape[1]
+    written = []
+    for g in groups:
+        k, v = np.array(g.k, np.float64), np.array(g.v, np.float64)
+        for b in range(B):
+            slot = int(g.slot_B[b])
+            if q_pos[b] >= 0 and 0 <= slot < k.shape[1]:
+                k[b, slot], v[b, slot] = k_new[b, list(g.kv_heads)], v_new[b, list(g.kv_heads)]
+        written.append((k, v))
+    out = np.zeros_like(q)
+    for b in range(B):
+        qp = int(q_pos[b])
+        if qp < 0:
+            continue
+        for h in range(Hq):
+            w = np.inf if windows[h] is None else windows[h]
+            i = next(i for i, g in enumerate(groups) if h // r in g.kv_heads)
+            g, j = groups[i], groups[i].kv_heads.index(h // r)
+            slot, k_pos = int(g.slot_B[b]), np.asarray(g.k_pos[b])
+            keys = [(np.asarray(g.k[b, s, j], np.float64), np.asarray(g.v[b, s, j], np.float64))
+                    for s in range(k_pos.size)
+                    if s != slot and 0 <= k_pos[s] <= qp and qp - k_pos[s] < w]
+            keys.append((k_new[b, h // r], v_new[b, h // r]))  # its own key: offset 0
+            logits = np.array([q[b, h] @ kk / np.sqrt(D) for kk, _ in keys])
+            p = np.exp(logits - logits.max())
+            out[b, h] = (p / p.sum()) @ np.stack([vv for _, vv in keys])
+    return out, written
+
+
+@pytest.mark.parametrize("impl, block_s", [("reference", None), ("xla", None),
+                                           ("pallas_gpu", 16),  # 3 splits, a ragged tail
+                                           ("pallas_gpu", 64)])  # one block
+def test_decode_step_matches_the_loop(impl, block_s):
+    q, k_new, v_new, q_pos, groups = step_case()
+    want_out, want_kv = loop_step(q, k_new, v_new, np.asarray(q_pos), groups, STEP_WINDOWS)
+    if impl == "pallas_gpu":
+        from ls_jax.kernels.pallas_gpu.decode import pallas_gpu_decode_step
+
+        out, kv = pallas_gpu_decode_step(
+            q, k_new, v_new, q_pos, tuple((g.k, g.v, g.k_pos, g.slot_B) for g in groups),
+            kv_heads=tuple(g.kv_heads for g in groups), window_sizes=STEP_WINDOWS, scale=0.25,
+            interpret=True, block_s=block_s)
+    else:
+        out, kv = decode_step_attention(q, k_new, v_new, q_pos, groups, STEP_WINDOWS,
+                                        implementation=impl)
+    np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(out[2], 0.0)  # the padding row
+    for (k, v), (wk, wv) in zip(kv, want_kv):
+        np.testing.assert_array_equal(k, wk)
+        np.testing.assert_array_equal(v, wv)
+
+
+def test_decode_step_bf16_cache_close_to_float32():
+    q, k_new, v_new, q_pos, groups = step_case()
+    ref, _ = decode_step_attention(q, k_new, v_new, q_pos, groups, STEP_WINDOWS,
+                                   implementation="reference")
+    bf16 = tuple(CacheGroup(g.k.astype(jnp.bfloat16), g.v.astype(jnp.bfloat16), g.k_pos,
+                            g.slot_B, g.kv_heads) for g in groups)
+    got, kv = decode_step_attention(q, k_new, v_new, q_pos, bf16, STEP_WINDOWS,
+                                    implementation="xla")
+    np.testing.assert_allclose(got, ref, atol=3e-2)
+    assert all(k.dtype == jnp.bfloat16 and v.dtype == jnp.bfloat16 for k, v in kv)
+
+
+def test_pallas_decode_step_lowers_to_triton_for_an_h100():
+    """The kernel's Triton lowering (jaxpr -> Triton IR, run by JAX in Python) for an abstract
+    H100, without a GPU: what interpret mode does not exercise."""
+    from ls_jax.kernels.pallas_gpu.decode import pallas_gpu_decode_step
+
+    q, k_new, v_new, q_pos, groups = step_case(D=32)
+    args = [x.astype(jnp.bfloat16) for x in (q, k_new, v_new)]
+    flat = tuple((g.k.astype(jnp.bfloat16), g.v.astype(jnp.bfloat16), g.k_pos, g.slot_B)
+                 for g in groups)
+
+    def step(q, k_new, v_new, q_pos, flat):
+        return pallas_gpu_decode_step(q, k_new, v_new, q_pos, flat,
+                                      kv_heads=tuple(g.kv_heads for g in groups),
+                                      window_sizes=STEP_WINDOWS, scale=0.2)
+
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
+                                       platform="cuda")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=h100)):
+        exported = jax.export.export(
+            jax.jit(step), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(*args, q_pos, flat)
+    text = exported.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1  # one launch for both groups
+    assert "ls_decode_step" in text
+
+
+@pytest.mark.parametrize("requested, one_query, head_dim, platform, want", [
+    (None, True, 32, "cuda", "pallas_gpu"),
+    (None, True, 48, "cuda", "xla"),  # not a power of two: no Triton block shape
+    (None, True, 32, "cpu", "xla"),
+    (None, True, 32, "tpu", "xla"),
+    (None, True, 32, "rocm", "xla"),
+    (None, False, 32, "cuda", "xla"),  # a prefill chunk
+    ("pallas_gpu", False, 32, "cuda", "xla"),
+    ("reference", False, 32, "cuda", "reference"),
+    ("xla", True, 32, "cuda", "xla"),
+    ("pallas_gpu", True, 32, "cpu", "pallas_gpu"),  # named: taken (interpret mode on CPU)
+])
+def test_choose_decode_implementation(requested, one_query, head_dim, platform, want):
+    assert choose_decode_implementation(requested, one_query=one_query, head_dim=head_dim,
+                                        platform=platform) == want
 
 
 def test_bad_input():
@@ -80,14 +210,33 @@ def test_bad_input():
         cached_attention(q, k, v, q_pos, k_pos[:, :5], WINDOWS)
     with pytest.raises(ValueError, match="window_sizes: expected one entry per query head"):
         cached_attention(q, k, v, q_pos, k_pos, (None, 5))
+    q, k_new, v_new, q_pos, (g0, g1) = step_case()
+    with pytest.raises(ValueError, match=r"groups: expected every kv head 0..2 in exactly one"):
+        decode_step_attention(q, k_new, v_new, q_pos, (g0,), STEP_WINDOWS)
+    with pytest.raises(ValueError, match=r"groups\[1\].k/v: expected \[B=3, S, G=1, D=16\]"):
+        decode_step_attention(q, k_new, v_new, q_pos,
+                              (g0, CacheGroup(g1.k[:, :, :, :8], g1.v, g1.k_pos, g1.slot_B,
+                                              g1.kv_heads)), STEP_WINDOWS)
+    with pytest.raises(ValueError, match=r"q_pos: expected int \[B=3\]"):
+        decode_step_attention(q, k_new, v_new, q_pos[:2], (g0, g1), STEP_WINDOWS)
+    with pytest.raises(ValueError, match="implementation: expected None or one of"):
+        decode_step_attention(q, k_new, v_new, q_pos, (g0, g1), STEP_WINDOWS,
+                              implementation="cudnn")
 
 
 @pytest.mark.gpu
-def test_pallas_gpu_decode_on_gpu():
-    q, k, v, q_pos, k_pos = case(1, S=300, D=32)
-    ref = cached_attention(q, k, v, q_pos, k_pos, WINDOWS, implementation="reference")
+def test_pallas_gpu_decode_step_on_gpu():
+    q, k_new, v_new, q_pos, groups = step_case(S_global=300, D=32)
+    ref, ref_kv = decode_step_attention(q, k_new, v_new, q_pos, groups, STEP_WINDOWS,
+                                        implementation="reference")
     for dtype in (jnp.float32, jnp.bfloat16):
-        got = cached_attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), q_pos, k_pos,
-                               WINDOWS, implementation="pallas_gpu")
-        np.testing.assert_allclose(got.astype(jnp.float32), ref, atol=3e-2 if dtype ==
-                                   jnp.bfloat16 else 1e-4)
+        cast = tuple(CacheGroup(g.k.astype(dtype), g.v.astype(dtype), g.k_pos, g.slot_B,
+                                g.kv_heads) for g in groups)
+        got, kv = decode_step_attention(q.astype(dtype), k_new.astype(dtype),
+                                        v_new.astype(dtype), q_pos, cast, STEP_WINDOWS,
+                                        implementation="pallas_gpu")
+        np.testing.assert_allclose(got.astype(jnp.float32), ref,
+                                   atol=3e-2 if dtype == jnp.bfloat16 else 1e-4)
+        for (k, v), (rk, rv) in zip(kv, ref_kv):
+            np.testing.assert_array_equal(k, rk.astype(dtype))
+            np.testing.assert_array_equal(v, rv.astype(dtype))

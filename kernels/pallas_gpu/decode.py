@@ -1,13 +1,19 @@
-"""Pallas GPU (Triton lowering) decode kernel: one new query per row over a key/value cache.
+"""Pallas GPU (Triton lowering) decode step: one new token per row, written into its cache
+groups and attended with every query head in one launch.
 
-Flash-decoding: the grid is (row, query head, split); each program streams its share of the
-cache slots in blocks of ``block_s`` (masked loads, so the cache length needs no padding and
-the cache is never copied), keeps an online softmax in float32, and writes a partial output
-with its running max and sum; a few XLA ops merge the splits. Splits give a batch-1 step
-enough programs to fill the GPU. Visibility per slot is the rule of ``kernels/decode.py``
-(slot positions, -1 = empty, window per head). A decode step is bound by memory bandwidth
-(each cached key and value is read once, 2 FLOPs per byte), so the kernel uses no matrix
-units: q . k and p . v are elementwise products and sums.
+``kernels.decode.decode_step_attention`` for GPUs. Flash-decoding: the grid is (row, query
+head, split); each program streams its share of its kv head's cache group in blocks of
+``block_s`` slots (masked loads, so no padding or copy of the cache), keeps an online softmax
+in float32 and writes a partial output with its running max and sum; a few XLA ops merge the
+splits. The split count is set by the largest group (a global head's full history), so that a
+batch-1 step has enough programs to fill the GPU; a program whose group has fewer blocks (a
+ring of a local head) finds its share empty and stops. Split 0 of each head also counts the
+new key (visible at offset 0), and split 0 of the first query head of each kv head writes the
+new key and value into the group's slot: the cache arrays are aliased to the outputs, so the
+write happens in place, and no program reads that slot (it is masked out), so the write races
+with nothing. A step is bound by memory bandwidth and launches (each cached key and value is
+read once, 2 FLOPs per byte), so the kernel uses no matrix units: q . k and p . v are
+elementwise products and sums.
 """
 
 from __future__ import annotations
@@ -16,87 +22,140 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ls_jax.kernels.band import allowed, window_array
 
 _NEG = -1e30
+# Programs a step should have at least, so that a batch-1 step keeps every SM of a large GPU
+# busy (a few programs per SM hide the load latency of the next block).
+TARGET_PROGRAMS = 528
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, qpos_ref, kpos_ref, win_ref, acc_ref, m_ref, l_ref, *,
-                   group: int, num_slots: int, block_s: int, blocks_per_split: int,
-                   scale: float):
-    b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    g = jax.lax.div(h, group)
-    D = q_ref.shape[-1]
-    q_D = plgpu.load(q_ref.at[b, h, pl.ds(0, D)]).astype(jnp.float32) * scale
-    q_pos = qpos_ref[b]
-    window = win_ref[h]
-    first = sp * blocks_per_split * block_s
-
-    def body(j, carry):
-        acc_D, m, l = carry
-        start = first + j * block_s
-        idx_S = start + jnp.arange(block_s)
-        inside_S = idx_S < num_slots
-        k_pos_S = plgpu.load(kpos_ref.at[b, pl.ds(start, block_s)], mask=inside_S, other=-1)
-        ok_S = inside_S & (k_pos_S >= 0) & allowed(q_pos, k_pos_S, window)
-        ok_SxD = jnp.broadcast_to(ok_S[:, None], (block_s, D))
-        k_SxD = plgpu.load(k_ref.at[b, pl.ds(start, block_s), g, pl.ds(0, D)],
-                           mask=ok_SxD, other=0.0).astype(jnp.float32)
-        s_S = jnp.where(ok_S, jnp.sum(k_SxD * q_D[None, :], axis=1), _NEG)
-        m_new = jnp.maximum(m, jnp.max(s_S))
-        alpha = jnp.exp(m - m_new)
-        p_S = jnp.where(ok_S, jnp.exp(s_S - m_new), 0.0)
-        v_SxD = plgpu.load(v_ref.at[b, pl.ds(start, block_s), g, pl.ds(0, D)],
-                           mask=ok_SxD, other=0.0).astype(jnp.float32)
-        acc_D = acc_D * alpha + jnp.sum(p_S[:, None] * v_SxD, axis=0)
-        return acc_D, m_new, l * alpha + jnp.sum(p_S)
-
-    init = (jnp.zeros((D,), jnp.float32), jnp.float32(_NEG), jnp.float32(0.0))
-    acc_D, m, l = jax.lax.fori_loop(0, blocks_per_split, body, init)
-    plgpu.store(acc_ref.at[b, sp, h, pl.ds(0, D)], acc_D)
-    plgpu.store(m_ref.at[b, sp, pl.ds(h, 1)], jnp.full((1,), m, jnp.float32))
-    plgpu.store(l_ref.at[b, sp, pl.ds(h, 1)], jnp.full((1,), l, jnp.float32))
-
-
-def _plan(B: int, Hq: int, S: int, block_s: int, target_programs: int = 528):
-    """(splits, blocks per split): enough programs to fill the GPU, no empty split."""
+def _plan(B: int, heads: int, S: int, block_s: int, target_programs: int = TARGET_PROGRAMS):
+    """(splits, blocks per split) of the largest group: enough programs (rows x its query
+    heads x splits) to fill the GPU, no empty split."""
     blocks = -(-S // block_s)
-    splits = max(1, min(blocks, -(-target_programs // (B * Hq))))
+    splits = max(1, min(blocks, -(-target_programs // (B * heads))))
     per_split = -(-blocks // splits)
     return -(-blocks // per_split), per_split
 
 
-@functools.partial(jax.jit, static_argnames=("window_sizes", "scale", "interpret",
+def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split: tuple[int, ...],
+                 block_s: int, group: int, scale: float):
+    q_ref, kn_ref, vn_ref, qpos_ref, win_ref, grp_ref, head_ref = refs[:7]
+    group_refs = [refs[7 + 4 * i: 11 + 4 * i] for i in range(n_groups)]
+    acc_ref, m_ref, l_ref = refs[7 + 4 * n_groups: 10 + 4 * n_groups]
+    out_refs = [refs[10 + 4 * n_groups + 2 * i: 12 + 4 * n_groups + 2 * i]
+                for i in range(n_groups)]
+    b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    D = q_ref.shape[-1]
+    kv = jax.lax.div(h, group)  # the new token's kv head that query head h reads
+    q_D = plgpu.load(q_ref.at[b, h, pl.ds(0, D)]).astype(jnp.float32) * scale
+    q_pos = qpos_ref[b]
+    real = q_pos >= 0
+    window = win_ref[h]
+    cache_head = head_ref[h]  # kv's index among its group's heads
+
+    def attend(i):
+        k_ref, v_ref, kpos_ref, slot_ref = group_refs[i]
+        k_out_ref, v_out_ref = out_refs[i]
+        S, per_split = slots[i], blocks_per_split[i]
+        # the new key and value as the cache holds them (its dtype)
+        k_new_D = plgpu.load(kn_ref.at[b, kv, pl.ds(0, D)]).astype(k_ref.dtype)
+        v_new_D = plgpu.load(vn_ref.at[b, kv, pl.ds(0, D)]).astype(v_ref.dtype)
+        slot = slot_ref[b]
+
+        @pl.when(real & (sp == 0) & (jax.lax.rem(h, group) == 0) & (slot >= 0) & (slot < S))
+        def _write():
+            plgpu.store(k_out_ref.at[b, slot, cache_head, pl.ds(0, D)], k_new_D)
+            plgpu.store(v_out_ref.at[b, slot, cache_head, pl.ds(0, D)], v_new_D)
+
+        first = sp * per_split * block_s
+
+        def body(j, carry):
+            acc_D, m, l = carry
+            start = first + j * block_s
+            idx_S = start + jnp.arange(block_s)
+            inside_S = (idx_S < S) & (idx_S != slot)  # the replaced slot: the new key now
+            k_pos_S = plgpu.load(kpos_ref.at[b, pl.ds(start, block_s)], mask=inside_S, other=-1)
+            ok_S = inside_S & (k_pos_S >= 0) & allowed(q_pos, k_pos_S, window)
+            ok_SxD = jnp.broadcast_to(ok_S[:, None], (block_s, D))
+            k_SxD = plgpu.load(k_ref.at[b, pl.ds(start, block_s), cache_head, pl.ds(0, D)],
+                               mask=ok_SxD, other=0.0).astype(jnp.float32)
+            s_S = jnp.where(ok_S, jnp.sum(k_SxD * q_D[None, :], axis=1), _NEG)
+            m_new = jnp.maximum(m, jnp.max(s_S))
+            alpha = jnp.exp(m - m_new)
+            p_S = jnp.where(ok_S, jnp.exp(s_S - m_new), 0.0)
+            v_SxD = plgpu.load(v_ref.at[b, pl.ds(start, block_s), cache_head, pl.ds(0, D)],
+                               mask=ok_SxD, other=0.0).astype(jnp.float32)
+            acc_D = acc_D * alpha + jnp.sum(p_S[:, None] * v_SxD, axis=0)
+            return acc_D, m_new, l * alpha + jnp.sum(p_S)
+
+        # split 0 starts from the new key (its own query always sees it); the others from 0
+        own = real & (sp == 0)
+        s_new = jnp.sum(k_new_D.astype(jnp.float32) * q_D)
+        init = (jnp.where(own, v_new_D.astype(jnp.float32), 0.0),
+                jnp.where(own, s_new, _NEG), own.astype(jnp.float32))
+        acc_D, m, l = jax.lax.fori_loop(0, per_split, body, init)
+        plgpu.store(acc_ref.at[b, sp, h, pl.ds(0, D)], acc_D)
+        plgpu.store(m_ref.at[b, sp, pl.ds(h, 1)], jnp.full((1,), m, jnp.float32))
+        plgpu.store(l_ref.at[b, sp, pl.ds(h, 1)], jnp.full((1,), l, jnp.float32))
+
+    grp = grp_ref[h]
+    for i in range(n_groups):
+        pl.when(grp == i)(functools.partial(attend, i))
+
+
+@functools.partial(jax.jit, static_argnames=("kv_heads", "window_sizes", "scale", "interpret",
                                              "block_s", "num_warps"))
-def pallas_gpu_cached_attention(q, k, v, q_pos, k_pos, *, window_sizes, scale,
-                                interpret=False, block_s: int = 64, num_warps: int = 4):
-    """``kernels.decode.cached_attention`` for one query per row (q [B, 1, Hq, D])."""
-    B, T, Hq, D = q.shape
-    if T != 1:
-        raise ValueError(f"q: the pallas_gpu decode kernel takes one query per row (decode "
-                         f"steps); got T={T}; use implementation='xla' for prefill chunks")
+def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_sizes, scale,
+                           interpret=False, block_s: int = 64, num_warps: int = 4):
+    """``kernels.decode.decode_step_attention`` (validated inputs): q [B, Hq, D], k/v_new
+    [B, Hkv, D], q_pos [B], groups ((k, v [B, S, G, D], k_pos [B, S], slot [B]), ...) with
+    kv_heads ((kv heads of each group), ...). Returns (out [B, Hq, D], ((k, v), ...))."""
+    B, Hq, D = q.shape
     if D & (D - 1):
         raise ValueError(f"q: the pallas_gpu decode kernel needs a power-of-two head_dim, got {D}")
-    S, Hkv = k.shape[1], k.shape[2]
-    block_s = min(block_s, max(16, 1 << (S - 1).bit_length()))
-    splits, per_split = _plan(B, Hq, S, block_s)
-    kernel = functools.partial(_decode_kernel, group=Hq // Hkv, num_slots=S, block_s=block_s,
-                               blocks_per_split=per_split, scale=scale)
-    acc, m, l = pl.pallas_call(
+    Hkv = k_new.shape[1]
+    group = Hq // Hkv
+    # per query head: its kv head's group and index within the group
+    where = {kv: (i, j) for i, heads in enumerate(kv_heads) for j, kv in enumerate(heads)}
+    grp_H = np.array([where[h // group][0] for h in range(Hq)], np.int32)
+    head_H = np.array([where[h // group][1] for h in range(Hq)], np.int32)
+    slots = tuple(int(k.shape[1]) for k, _, _, _ in groups)
+    largest = int(np.argmax(slots))
+    block_s = min(block_s, max(16, 1 << (max(slots) - 1).bit_length()))
+    splits, _ = _plan(B, int(np.sum(grp_H == largest)), slots[largest], block_s)
+    per_split = tuple(-(-blocks // splits) for blocks in (-(-S // block_s) for S in slots))
+    n = len(groups)
+    kernel = functools.partial(_step_kernel, n_groups=n, slots=slots,
+                               blocks_per_split=per_split, block_s=block_s, group=group,
+                               scale=scale)
+    flat = [x for g in groups for x in g]
+    out_shape = [jax.ShapeDtypeStruct((B, splits, Hq, D), jnp.float32),
+                 jax.ShapeDtypeStruct((B, splits, Hq), jnp.float32),
+                 jax.ShapeDtypeStruct((B, splits, Hq), jnp.float32)]
+    aliases = {}
+    for i, (k, v, _, _) in enumerate(groups):
+        aliases[7 + 4 * i] = len(out_shape)
+        out_shape.append(jax.ShapeDtypeStruct(k.shape, k.dtype))
+        aliases[8 + 4 * i] = len(out_shape)
+        out_shape.append(jax.ShapeDtypeStruct(v.shape, v.dtype))
+    acc, m, l, *caches = pl.pallas_call(
         kernel,
         grid=(B, Hq, splits),
-        out_shape=[jax.ShapeDtypeStruct((B, splits, Hq, D), jnp.float32),
-                   jax.ShapeDtypeStruct((B, splits, Hq), jnp.float32),
-                   jax.ShapeDtypeStruct((B, splits, Hq), jnp.float32)],
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
-        name="ls_decode",
-    )(q[:, 0], k, v, q_pos[:, 0], k_pos, jnp.asarray(window_array(window_sizes)))
+        name="ls_decode_step",
+    )(q, k_new, v_new, q_pos, jnp.asarray(window_array(window_sizes)), jnp.asarray(grp_H),
+      jnp.asarray(head_H), *flat)
     m_max = jnp.max(m, axis=1, keepdims=True)
     w = jnp.where(l > 0, jnp.exp(m - m_max), 0.0)
     denom = jnp.sum(l * w, axis=1)
     out = jnp.sum(acc * w[..., None], axis=1) / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out[:, None].astype(q.dtype)
+    return out.astype(q.dtype), tuple(zip(caches[0::2], caches[1::2]))

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ls_jax.rundir import write_failed
+from ls_jax.rundir import write_atomically, write_failed
 
 
 def logit_norm_summary(attn_max_abs_logit_LxH, lm_head_max_abs_logit) -> dict[str, Any]:
@@ -117,10 +117,10 @@ class MetricsWriter:
         if not enabled:
             return
         self.records: list[dict] = []  # the records kept from an earlier run (on resume)
+        if resume_step is not None:
+            self._repair(resume_step, warn)
         try:
-            if resume_step is not None:
-                self._repair(resume_step, warn)
-            elif os.path.exists(self.path):
+            if resume_step is None and os.path.exists(self.path):
                 os.replace(self.path, self.path + ".old")
             self._file = open(self.path, "a")
         except OSError as e:
@@ -142,10 +142,7 @@ class MetricsWriter:
             self.records = [r for r in records if r.get("step", 0) <= resume_step]
             if partial:
                 torn.append(f"{self.path} ({partial} bytes)")
-            tmp = self.path + ".tmp"
-            with open(tmp, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in self.records)
-            os.replace(tmp, self.path)
+            write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
         if self._tb_dir is not None and os.path.isdir(self._tb_dir):
             for name in sorted(os.listdir(self._tb_dir)):
                 events = os.path.join(self._tb_dir, name)
@@ -185,8 +182,9 @@ class MetricsWriter:
         return max(paths, key=os.path.getmtime) if paths else self._tb_dir
 
     def close(self) -> None:
-        """Closes both logs; a write that fails here (the disk filled up) is not raised again:
-        the error that stopped the run was raised already, and a resume repairs the logs."""
+        """Closes both logs. Every record was flushed as it was written, so a write that fails
+        here only repeats one ``write`` raised already; it is not raised again (a resume
+        repairs the logs)."""
         if not self.enabled:
             return
         for closing in (self._file, self._tb):

@@ -64,6 +64,7 @@ _REMEDY = {
     errno.EACCES: "make it writable",
     errno.EPERM: "make it writable",
     errno.EROFS: "use a writable filesystem",
+    errno.ENOENT: "create its directory",
 }
 
 

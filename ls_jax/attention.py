@@ -19,11 +19,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ls_jax.kernels import ls_attention, normalize_window_sizes
-from ls_jax.kernels.decode import CacheGroup, cached_attention, decode_step_attention
+from ls_jax.kernels.decode import cached_attention, decode_step_attention
 from ls_jax.kernels.dispatch import IMPLEMENTATIONS, INTERPRET_IMPLEMENTATIONS
 from ls_jax.kernels.heads import kv_group_size, take_heads
-from ls_jax.kv_cache import (CacheLayout, CacheStep, LayerCache, global_positions,
-                             ring_positions, write_layer)
+from ls_jax.kv_cache import (CacheLayout, CacheStep, LayerCache, decode_groups,
+                             global_positions, ring_positions, with_written, write_layer)
 from ls_jax.rope import apply_rope
 
 
@@ -252,26 +252,16 @@ class LSAttention(nnx.Module):
 def decode_step(layout: CacheLayout, cache: LayerCache, q_BxHxD, k_BxGxD, v_BxGxD, positions_B,
                 step: CacheStep, window_sizes, *, interpret: bool = False):
     """One new token per row at ``positions_B`` (a row whose position is not below
-    ``step.new_lengths_B`` is padding: it writes nothing): the key/value go to slot = position
-    of the global cache and slot = position mod P of the ring, and every head attends, in one
-    ``kernels.decode.decode_step_attention`` call. Returns (out [B, H, D], the LayerCache)."""
+    ``step.new_lengths_B`` is padding: it writes nothing): one
+    ``kernels.decode.decode_step_attention`` call writes its key and value into the cache
+    (``kv_cache.decode_groups``) and every head attends. Returns (out [B, H, D], the
+    LayerCache)."""
     q_pos_B = jnp.where(positions_B < step.new_lengths_B, positions_B, -1)
-    groups = []
-    if layout.global_kv:
-        groups.append(CacheGroup(cache.k_global, cache.v_global,
-                                 global_positions(step.old_lengths_B, cache.k_global.shape[1]),
-                                 positions_B, layout.global_kv))
-    if layout.local_kv:
-        P = layout.ring_size
-        groups.append(CacheGroup(cache.k_local, cache.v_local,
-                                 ring_positions(step.old_lengths_B, P),
-                                 jnp.mod(positions_B, P), layout.local_kv))
     out_BxHxD, written = decode_step_attention(
-        q_BxHxD, k_BxGxD, v_BxGxD, q_pos_B, groups, window_sizes,
+        q_BxHxD, k_BxGxD, v_BxGxD, q_pos_B,
+        decode_groups(layout, cache, positions_B, step.old_lengths_B), window_sizes,
         implementation=step.decode_implementation, interpret=interpret)
-    k_global, v_global = written[0] if layout.global_kv else (cache.k_global, cache.v_global)
-    k_local, v_local = written[-1] if layout.local_kv else (cache.k_local, cache.v_local)
-    return out_BxHxD, LayerCache(k_global, v_global, k_local, v_local)
+    return out_BxHxD, with_written(layout, cache, written)
 
 
 def norm_and_rope(q_BxTxHxD, k_BxTxGxD, positions_BxT, *, q_norm, k_norm, rope_theta, dtype):

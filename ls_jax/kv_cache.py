@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ls_jax.kernels import normalize_window_sizes
+from ls_jax.kernels.decode import CacheGroup
 from ls_jax.kernels.heads import kv_group_size, split_heads, take_heads
 
 
@@ -173,4 +174,30 @@ def write_layer(cache: LayerCache, layout: CacheLayout, k_BxCxGxD, v_BxCxGxD, po
             update_ring(old, take_heads(new, layout.local_kv), step.old_lengths_B,
                         step.new_lengths_B, start_B)
             for old, new in ((cache.k_local, k_BxCxGxD), (cache.v_local, v_BxCxGxD)))
+    return LayerCache(k_global, v_global, k_local, v_local)
+
+
+def decode_groups(layout: CacheLayout, cache: LayerCache, positions_B,
+                  old_lengths_B) -> list[CacheGroup]:
+    """The cache groups a decode step (one new token per row at ``positions_B``) reads and
+    writes through ``kernels.decode.decode_step_attention``: the global kv heads' cache (the
+    token goes to slot = position) and the ring (slot = position mod P), each with the
+    positions its slots hold before the step."""
+    groups = []
+    if layout.global_kv:
+        groups.append(CacheGroup(cache.k_global, cache.v_global,
+                                 global_positions(old_lengths_B, cache.k_global.shape[1]),
+                                 positions_B, layout.global_kv))
+    if layout.local_kv:
+        P = layout.ring_size
+        groups.append(CacheGroup(cache.k_local, cache.v_local, ring_positions(old_lengths_B, P),
+                                 jnp.mod(positions_B, P), layout.local_kv))
+    return groups
+
+
+def with_written(layout: CacheLayout, cache: LayerCache, written) -> LayerCache:
+    """``cache`` with the (k, v) of each of its ``decode_groups`` as the decode step wrote
+    them."""
+    k_global, v_global = written[0] if layout.global_kv else (cache.k_global, cache.v_global)
+    k_local, v_local = written[-1] if layout.local_kv else (cache.k_local, cache.v_local)
     return LayerCache(k_global, v_global, k_local, v_local)

@@ -63,6 +63,11 @@ def train_main(argv: list[str] | None = None) -> int:
                         help="call jax.distributed.initialize() (multi-host TPU/GPU)")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error instead of one line")
+    parser.add_argument("--compile-only", metavar="TOPOLOGY", default=None,
+                        help="only compile the train and eval steps for a TPU slice (e.g. "
+                             "v5e:2x4; needs libtpu) or 'local' (this host's devices) and print "
+                             "per-device memory against HBM, FLOPs and kernel calls; reads no "
+                             "data, writes nothing (exit 3: does not fit)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides, e.g. train.lr=1e-3 model.window=64")
     args = parser.parse_args(argv)
@@ -75,6 +80,9 @@ def train_main(argv: list[str] | None = None) -> int:
         quiet_library_tracebacks()
     workdir = args.workdir or f"runs/{cfg.name}"
     try:
+        if args.compile_only is not None:
+            from ls_jax.compile_only import compile_only_main
+            return compile_only_main(cfg, args.compile_only)
         result = train(cfg, workdir)
     except EXPECTED_ERRORS as e:
         if args.debug:

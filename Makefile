@@ -73,4 +73,16 @@ bench: venv
 	$(PY) bench/attention.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VENV_NEXT) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_NEXT) $(TPU_VENV) runs .pytest_cache
+
+# TPU compile tests (tests/test_tpu_compile.py): a second venv with the lock's jax[tpu], whose
+# libtpu compiles for TPU topologies on this host (no TPU needed).
+TPU_VENV ?= .venv-tpu
+
+.PHONY: venv-tpu test-tpu-compile
+
+venv-tpu:
+	$(MAKE) --no-print-directory venv VENV=$(TPU_VENV) JAX_EXTRA=tpu
+
+test-tpu-compile: venv-tpu
+	$(TPU_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) -m tpu_compile tests/test_tpu_compile.py $(ARGS)

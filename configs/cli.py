@@ -72,6 +72,11 @@ def train_main(argv: list[str] | None = None) -> int:
                         help="call jax.distributed.initialize() (multi-host TPU/GPU)")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error instead of one line")
+    parser.add_argument("--compile-only", metavar="TOPOLOGY", default=None,
+                        help="only compile the train and eval steps for a TPU slice (e.g. "
+                             "v5e:2x4; needs libtpu) or 'local' (this host's devices) and print "
+                             "per-device memory against HBM, FLOPs and kernel calls; reads no "
+                             "data, writes nothing (exit 3: does not fit)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides, e.g. train.lr=1e-3 model.window=64")
     args = parser.parse_args(argv)
@@ -80,6 +85,15 @@ def train_main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     lib = _train_extra()
+    if args.compile_only is not None:  # reads no data and writes no workdir
+        from ls_jax.compile_only import compile_only_main
+        try:
+            return compile_only_main(cfg, args.compile_only)
+        except lib.expected_errors as e:
+            if args.debug:
+                raise
+            print(_one_line(e), file=sys.stderr)
+            return 1
     lib.maybe_initialize_distributed(args.distributed)
     workdir = args.workdir or f"runs/{cfg.name}"
     lib.send_library_logs_to(lib.RunDir(workdir).library_log_path, echo=args.debug)

@@ -230,7 +230,15 @@ def _stopped_before_start(workdir: str, saved: list[int], why: str, say) -> Trai
 def check_train_config(cfg: Config, mesh: jax.sharding.Mesh) -> None:
     """What only the running job can check: the batch split over its mesh, the vocabulary
     against the tokenizer."""
-    tcfg = cfg.train
+    check_batch_split(cfg.train, mesh)
+    tokenizer = make_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"model.vocab_size: expected >= the tokenizer's vocabulary "
+                         f"({tokenizer.vocab_size} for {cfg.data.tokenizer!r}), got {cfg.model.vocab_size}")
+
+
+def check_batch_split(tcfg, mesh: jax.sharding.Mesh) -> None:
+    """The global batch, and each micro-batch, split over the mesh's data x fsdp devices."""
     n_batch = sharding_lib.batch_divisor(mesh)  # the batch splits over data x fsdp
     if tcfg.batch_size % n_batch:
         raise ValueError(f"train.batch_size: expected a multiple of {n_batch} (mesh data x fsdp "
@@ -239,10 +247,6 @@ def check_train_config(cfg: Config, mesh: jax.sharding.Mesh) -> None:
         raise ValueError(f"train.grad_accum_steps: each micro-batch (batch_size / grad_accum_steps"
                          f" = {tcfg.batch_size // tcfg.grad_accum_steps}) must split over "
                          f"{n_batch} devices (mesh data x fsdp)")
-    tokenizer = make_tokenizer(cfg.data.tokenizer)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"model.vocab_size: expected >= the tokenizer's vocabulary "
-                         f"({tokenizer.vocab_size} for {cfg.data.tokenizer!r}), got {cfg.model.vocab_size}")
 
 
 def _check_eval_split(cfg: Config) -> None:

@@ -1,4 +1,6 @@
-"""The "pallas_tpu" backend in Pallas' TPU interpret mode on CPU (no TPU is lent to this project).
+"""The "pallas_tpu" backend in Pallas interpret mode on CPU (no TPU is lent to this project):
+``interpret=True`` (the kernels as XLA loops over their grids) and ``pltpu.InterpretParams``
+(the TPU interpreter: simulated memory spaces, DMAs and cores).
 
 Checked against the pure-JAX reference twin (outputs, logsumexp, max |logit|, gradients), against
 JAX's splash attention on the same inputs, for data races on two simulated TensorCores, and for
@@ -244,6 +246,85 @@ def test_ls_attention_entry_point_selects_the_kernel():
             ls_attention(q, k, v, windows, implementation="pallas_tpu")
     with pytest.raises(ValueError, match=r"interpret: expected a bool or a .*InterpretParams"):
         ls_attention(q, k, v, windows, implementation="pallas_tpu", interpret="yes")
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside other JAX programs: vmap, checkpoint, x64 (the GPU kernel alongside: both must compose)
+
+COMPOSE_WINDOWS = (None, 9, 130)
+
+
+def _compose_inputs(seed, V=2, B=1, T=256, Hq=3, Hkv=1, D=64, dtype=jnp.float32):
+    """q [V, B, T, Hq, D], k and v [B, T, Hkv, D] (shared by the V mapped calls), segment ids
+    [V, B, T]."""
+    q, _, _ = rand_qkv(seed, V * B, T, Hq, Hkv, D, dtype)
+    _, k, v = rand_qkv(seed + 1, B, T, Hq, Hkv, D, dtype)
+    seg = jnp.stack([rand_segments(seed + i, B, T) for i in range(V)])
+    return q.reshape(V, B, T, Hq, D), k, v, seg
+
+
+def _attention(implementation, windows=COMPOSE_WINDOWS, interpret=True):
+    def f(q, k, v, seg):
+        return ls_attention(q, k, v, windows, segment_ids=seg, implementation=implementation,
+                            interpret=interpret)
+    return f
+
+
+def _reference(windows=COMPOSE_WINDOWS):
+    return lambda q, k, v, seg: reference_attention_parts(q, k, v, windows, seg)[0]
+
+
+def _output_and_grads(f, q, k, v, seg):
+    """f's output and the gradients in q, k, v of a weighted sum of it, from one jitted
+    forward pass."""
+    w_D = jnp.cos(jnp.arange(q.shape[-1], dtype=jnp.float32))
+
+    def run(q, k, v):
+        out, pullback = jax.vjp(lambda q, k, v: f(q, k, v, seg), q, k, v)
+        return out, pullback(jnp.broadcast_to(w_D, out.shape).astype(out.dtype))
+    return jax.jit(run)(q, k, v)
+
+
+def _assert_close_to(got, want, atol=2e-5):
+    (out, grads), (want_out, want_grads) = got, want
+    np.testing.assert_allclose(out.astype(jnp.float32), want_out, rtol=0, atol=atol)
+    for name, g, w in zip("qkv", grads, want_grads):
+        scale = float(jnp.max(jnp.abs(w)))
+        np.testing.assert_allclose(g.astype(jnp.float32), w, rtol=0, atol=atol * scale,
+                                   err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
+def test_vmap_matches_the_reference(implementation):
+    """A mapped axis over q and the segment ids, k and v shared (not mapped): output and
+    gradients."""
+    q, k, v, seg = _compose_inputs(seed_of("vmap", implementation))
+    in_axes = (0, None, None, 0)
+    got = _output_and_grads(jax.vmap(_attention(implementation), in_axes=in_axes), q, k, v, seg)
+    want = _output_and_grads(jax.vmap(_reference(), in_axes=in_axes), q, k, v, seg)
+    _assert_close_to(got, want)
+
+
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
+def test_checkpoint_matches_the_reference(implementation):
+    q, k, v, seg = _compose_inputs(seed_of("remat", implementation), V=1)
+    q, seg = q[0], seg[0]
+    got = _output_and_grads(jax.checkpoint(_attention(implementation)), q, k, v, seg)
+    _assert_close_to(got, _output_and_grads(_reference(), q, k, v, seg))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_runs_with_x64_enabled(dtype):
+    """``jax_enable_x64`` on: the kernels' index arithmetic stays int32; the output and the
+    gradients keep q's dtype."""
+    with jax.enable_x64(True):
+        q, k, v, seg = _compose_inputs(seed_of("x64", str(dtype)), V=1, dtype=dtype)
+        q, seg = q[0], seg[0]
+        out, grads = _output_and_grads(_attention("pallas_tpu"), q, k, v, seg)
+        assert [x.dtype for x in (out, *grads)] == [dtype] * 4
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        _assert_close_to((out, grads), _output_and_grads(_reference(), *f32, seg),
+                         atol=2e-5 if dtype == jnp.float32 else 4e-2)
 
 
 # ---------------------------------------------------------------------------------------------

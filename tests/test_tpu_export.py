@@ -44,6 +44,29 @@ def test_forward_and_backward_export_for_tpu(B, T, H, G, D, dtype, windows, segm
     assert [a.shape for a in exported.out_avals] == [(), (B, T, H, D), (B, T, G, D), (B, T, G, D)]
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_vmapped_gradient_exports_for_tpu_with_x64_enabled(dtype):
+    """A user's program: ``jax_enable_x64`` on, the op under ``jax.vmap`` (k, v shared) and
+    differentiated. The mapped axis joins the kernels' batch: still three Mosaic calls, and
+    the index arithmetic lowers as int32."""
+    V, B, T, H, D, windows = 3, 2, 384, 2, 64, (None, 100)
+    with jax.enable_x64(True):
+        q = jax.ShapeDtypeStruct((V, B, T, H, D), dtype)
+        kv = jax.ShapeDtypeStruct((B, T, H, D), dtype)
+
+        def loss(q, k, v):
+            out = jax.vmap(lambda q: ls_attention(q, k, v, windows,
+                                                  implementation="pallas_tpu"))(q)
+            return jnp.sum(out.astype(jnp.float32))
+
+        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+        exported = jax.export.export(step, platforms=("tpu",))(q, kv, kv)
+    text = exported.mlir_module()
+    assert text.count("tpu_custom_call") == 3
+    assert [a.shape for a in exported.out_avals] == [(), q.shape, kv.shape, kv.shape]
+    assert [a.dtype for a in exported.out_avals[1:]] == [dtype] * 3
+
+
 def test_exporting_for_cpu_is_refused_by_the_lowering():
     """The kernels are Mosaic kernels: lowering them for another platform fails."""
     q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32)

@@ -7,9 +7,8 @@ block whatever T is, a global head the lower triangle. Design notes: docs/tpu-ke
 
 This file holds the layout (to [B, H, T, D], padded), the ``interpret`` argument, and the
 ``jax.custom_vjp`` wiring; the kernels are in ``forward.py`` and ``backward.py``, their shared
-grid plumbing in ``plan.py`` and in-kernel pieces in ``tiles.py``. On a machine without a TPU it runs in Pallas' TPU interpret
-mode (``interpret=True`` or a ``pltpu.InterpretParams``), which simulates TPU memory spaces
-and DMAs on CPU.
+grid plumbing in ``plan.py`` and in-kernel pieces in ``tiles.py``. On a machine without a
+TPU it runs in one of Pallas' two interpreters (``interpret_params``).
 """
 
 from __future__ import annotations
@@ -28,12 +27,20 @@ from ls_jax.kernels.pallas_tpu.tiles import NUM_LANES, NUM_SUBLANES
 from ls_jax.kernels.reference import default_scale
 
 
-def interpret_params(interpret) -> pltpu.InterpretParams | None:
-    """False/None: compile for TPU; True: default TPU interpret mode; or an InterpretParams."""
+def interpret_params(interpret) -> pltpu.InterpretParams | bool | None:
+    """What the kernels' ``pallas_call`` gets for the ``interpret`` argument.
+
+    False/None -> None: compile for TPU (Mosaic). True -> True: Pallas' interpreter, the
+    kernel as a jitted loop over its grid in plain XLA ops; pure, so it composes with every
+    JAX transformation (vmap, checkpoint, x64). A ``pltpu.InterpretParams``: Pallas' TPU
+    interpreter, which also simulates the TPU memory spaces, DMAs and cores (race detection,
+    grid-point recording); its host callbacks are effects, which ``jax.checkpoint`` cannot
+    differentiate.
+    """
     if interpret is None or interpret is False:
         return None
     if interpret is True:
-        return pltpu.InterpretParams()
+        return True
     if isinstance(interpret, pltpu.InterpretParams):
         return interpret
     raise ValueError(
@@ -133,7 +140,7 @@ def pallas_tpu_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logi
         raise ValueError(
             "interpret: implementation='pallas_tpu' compiles for TPU, but the JAX backend is "
             f"{jax.default_backend()!r}; pass interpret=True (or a pltpu.InterpretParams) to "
-            "run it in TPU interpret mode on CPU, or export it with jax.export(..., "
+            "run it in Pallas interpret mode on CPU, or export it with jax.export(..., "
             "platforms=('tpu',))")
     out, _, max_abs = pallas_tpu_attention_parts(
         q, k, v, window_sizes, segment_ids, scale, block_q=block_q, block_k=block_k,

@@ -32,6 +32,7 @@ from ls_jax.kernels.pallas_tpu.tiles import (
     run_tile,
     step_index,
     tile_mask,
+    where,
 )
 
 
@@ -69,7 +70,7 @@ def _dq_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
         band = band_mask_QxK(band_edge, q_block, k_block, bq, bk, window_ref[head])
         mask_QxK = tile_mask(band, qseg_ref, kseg_ref)
         if mask_QxK is not None:
-            p_QxK = jnp.where(mask_QxK, p_QxK, 0.0)
+            p_QxK = where(mask_QxK, p_QxK, 0.0)
         dp_QxK = jax.lax.dot_general(do_ref[...], v_ref[...], NT_DIMS,
                                      preferred_element_type=jnp.float32)
         ds_QxK = p_QxK * (dp_QxK - delta_Qx1)
@@ -104,7 +105,7 @@ def _dkdv_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
         band = band_mask_KxQ(band_edge, q_block, k_block, bq, bk, window_ref[head])
         mask_KxQ = tile_mask(band, kseg_ref, qseg_ref)
         if mask_KxQ is not None:
-            p_KxQ = jnp.where(mask_KxQ, p_KxQ, 0.0)
+            p_KxQ = where(mask_KxQ, p_KxQ, 0.0)
         dv_scr[...] += jnp.dot(p_KxQ.astype(do.dtype), do, preferred_element_type=jnp.float32)
         dp_KxQ = jax.lax.dot_general(v_ref[...], do, NT_DIMS,
                                      preferred_element_type=jnp.float32)
@@ -144,10 +145,11 @@ def dq_call(plan: AttentionPlan, q, k, v, do, lse_BxHx1xT, delta_BxHx1xT, seg_la
                      pl.BlockSpec((None, NUM_SUBLANES, bk), maps["k_seg_sublanes"])]
         operands += [seg_lanes, seg_sublanes]
     return worklist_call(
-        _dq_kernel, plan, wl, batch=q.shape[0], in_specs=in_specs,
+        _dq_kernel, plan, wl, in_specs=in_specs,
         out_specs=pl.BlockSpec((None, None, bq, Dp), maps["q_rows"]),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch_shapes=[pltpu.VMEM((bq, Dp), jnp.float32)], name="ls_attention_tpu_dq",
+        scratch_shapes=[pltpu.VMEM((bq, Dp), jnp.float32)], matmuls_per_tile=3,
+        name="ls_attention_tpu_dq",
     )(*operands)
 
 
@@ -165,9 +167,9 @@ def dkdv_call(plan: AttentionPlan, q, k, v, do, lse_BxHx1xT, delta_BxHx1xT, seg_
         operands += [seg_lanes, seg_sublanes]
     kv_spec = pl.BlockSpec((None, None, bk, Dp), maps["kv_rows"])
     return worklist_call(
-        _dkdv_kernel, plan, wl, batch=q.shape[0], in_specs=in_specs,
+        _dkdv_kernel, plan, wl, in_specs=in_specs,
         out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         scratch_shapes=[pltpu.VMEM((bk, Dp), jnp.float32), pltpu.VMEM((bk, Dp), jnp.float32)],
-        name="ls_attention_tpu_dkdv",
+        matmuls_per_tile=4, name="ls_attention_tpu_dkdv",
     )(*operands)

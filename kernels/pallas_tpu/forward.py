@@ -29,6 +29,7 @@ from ls_jax.kernels.pallas_tpu.tiles import (
     run_tile,
     step_index,
     tile_mask,
+    where,
     widen,
 )
 
@@ -66,15 +67,15 @@ def _forward_kernel(rows_ref, cols_ref, window_ref, *refs, plan: AttentionPlan,
         band = band_mask_QxK(band_edge, q_block, k_block, bq, bk, window_ref[head])
         mask_QxK = tile_mask(band, qseg_ref, kseg_ref)
         if mask_QxK is not None:
-            s_QxK = jnp.where(mask_QxK, s_QxK, MASK_VALUE)
+            s_QxK = where(mask_QxK, s_QxK, MASK_VALUE)
         if maxabs_scr is not None:
-            allowed = s_QxK if mask_QxK is None else jnp.where(mask_QxK, s_QxK, 0.0)
+            allowed = s_QxK if mask_QxK is None else where(mask_QxK, s_QxK, 0.0)
             maxabs_scr[...] = jnp.maximum(maxabs_scr[...], max_abs_1x1(allowed))
         m_prev_Qx128 = m_scr[...]
         m_next_Qx128 = jnp.maximum(m_prev_Qx128, jnp.max(s_QxK, axis=1, keepdims=True))
         p_QxK = jnp.exp(s_QxK - widen(m_next_Qx128, bk))
         if mask_QxK is not None:
-            p_QxK = jnp.where(mask_QxK, p_QxK, 0.0)
+            p_QxK = where(mask_QxK, p_QxK, 0.0)
         alpha_Qx128 = jnp.exp(m_prev_Qx128 - m_next_Qx128)
         l_scr[...] = alpha_Qx128 * l_scr[...] + jnp.sum(p_QxK, axis=1, keepdims=True)
         v = v_ref[...]
@@ -126,8 +127,8 @@ def forward_call(plan: AttentionPlan, q_BxHxTxD, k_BxGxTxD, v_BxGxTxD, seg_lanes
         out_specs.append(pl.BlockSpec((None, None, NUM_SUBLANES, NUM_LANES),
                                       maps["q_block_stat"]))
         scratch.append(pltpu.VMEM((NUM_SUBLANES, NUM_LANES), jnp.float32))
-    outs = worklist_call(_forward_kernel, plan, wl, batch=B, in_specs=in_specs,
+    outs = worklist_call(_forward_kernel, plan, wl, in_specs=in_specs,
                          out_specs=out_specs, out_shape=out_shape, scratch_shapes=scratch,
-                         name="ls_attention_tpu_fwd")(*operands)
+                         matmuls_per_tile=2, name="ls_attention_tpu_fwd")(*operands)
     o, lse = outs[:2]
     return o, lse, (outs[2] if plan.logit_stats else None)

@@ -243,7 +243,7 @@ class AttentionPlan:
     has_segments: bool
     logit_stats: bool
     num_chunks: int = 1
-    interpret: object = None  # None (compile for TPU) or a pltpu.InterpretParams
+    interpret: object = None  # None (compile for TPU), True or a pltpu.InterpretParams
 
     @property
     def num_q_heads(self) -> int:
@@ -346,17 +346,24 @@ def step_counts(windows: WindowSizes, num_kv_heads: int, seq_len: int, block_q: 
 NUM_TABLES = 3  # packed steps (head | q_block, flags | k_block), window per query head
 
 
+def _div(x, n: int):
+    """x // n for a non-negative int32 scalar x (a grid index or table entry): the constant
+    takes x's dtype, so the division is int32 also under ``jax_enable_x64``."""
+    return jax.lax.div(x, jnp.asarray(n, x.dtype))
+
+
 def batch_and_chunk(g, num_chunks: int):
     """(batch, chunk) of the leading grid index g = batch * num_chunks + chunk."""
     if num_chunks == 1:
         return g, 0
-    return jax.lax.div(g, num_chunks), jax.lax.rem(g, num_chunks)
+    return _div(g, num_chunks), jax.lax.rem(g, jnp.asarray(num_chunks, g.dtype))
 
 
 def index_maps(plan: AttentionPlan, worklist: WorkList) -> dict:
     """BlockSpec index maps over grid (batch * chunk, step) reading the prefetched tables."""
     group = plan.q_heads_per_kv_head
     num_chunks, steps_per_chunk = worklist.num_chunks, worklist.steps_per_chunk
+    zero = np.int32(0)  # a block index the maps return as int32 also under jax_enable_x64
 
     def locate(g, s, rows, cols):
         b, c = batch_and_chunk(g, num_chunks)
@@ -365,35 +372,35 @@ def index_maps(plan: AttentionPlan, worklist: WorkList) -> dict:
 
     def q_rows(g, s, rows, cols, window):  # [B, H, T, D] blocks of query rows
         b, head, qb, _ = locate(g, s, rows, cols)
-        return b, head, qb, 0
+        return b, head, qb, zero
 
     def kv_rows(g, s, rows, cols, window):  # [B, G, T, D] blocks of key rows
         b, head, _, kb = locate(g, s, rows, cols)
-        return b, jax.lax.div(head, group), kb, 0
+        return b, _div(head, group), kb, zero
 
     def q_row_vector(g, s, rows, cols, window):  # [B, H, 1, T] per-query statistics
         b, head, qb, _ = locate(g, s, rows, cols)
-        return b, head, 0, qb
+        return b, head, zero, qb
 
     def q_seg_lanes(g, s, rows, cols, window):  # [B, T, 128]
         b, _, qb, _ = locate(g, s, rows, cols)
-        return b, qb, 0
+        return b, qb, zero
 
     def q_seg_sublanes(g, s, rows, cols, window):  # [B, 8, T]
         b, _, qb, _ = locate(g, s, rows, cols)
-        return b, 0, qb
+        return b, zero, qb
 
     def k_seg_lanes(g, s, rows, cols, window):  # [B, T, 128]
         b, _, _, kb = locate(g, s, rows, cols)
-        return b, kb, 0
+        return b, kb, zero
 
     def k_seg_sublanes(g, s, rows, cols, window):  # [B, 8, T]
         b, _, _, kb = locate(g, s, rows, cols)
-        return b, 0, kb
+        return b, zero, kb
 
     def q_block_stat(g, s, rows, cols, window):  # [B, H, nq * 8, 128]
         b, head, qb, _ = locate(g, s, rows, cols)
-        return b, head, qb, 0
+        return b, head, qb, zero
 
     return dict(q_rows=q_rows, kv_rows=kv_rows, q_row_vector=q_row_vector,
                 q_seg_lanes=q_seg_lanes, q_seg_sublanes=q_seg_sublanes,
@@ -401,18 +408,52 @@ def index_maps(plan: AttentionPlan, worklist: WorkList) -> dict:
                 q_block_stat=q_block_stat)
 
 
-def worklist_call(kernel, plan: AttentionPlan, worklist: WorkList, *, batch: int, in_specs,
-                  out_specs, out_shape, scratch_shapes, name: str):
+def worklist_call(kernel, plan: AttentionPlan, worklist: WorkList, *, in_specs, out_specs,
+                  out_shape, scratch_shapes, matmuls_per_tile: int, name: str):
     """The pallas_call of ``kernel(rows_ref, cols_ref, window_ref, *refs, plan, num_chunks)``
-    over ``worklist``; call the result with the operands (the tables are prepended)."""
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=NUM_TABLES,
-        grid=(batch * worklist.num_chunks, worklist.steps_per_chunk),
-        in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch_shapes)
-    call = pl.pallas_call(
-        functools.partial(kernel, plan=plan, num_chunks=worklist.num_chunks),
-        grid_spec=grid_spec, out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
-        interpret=plan.interpret if plan.interpret is not None else False, name=name)
+    over ``worklist``; call the result with the operands (the tables are prepended).
+
+    Its cost estimate, for XLA's scheduling and cost analysis: ``matmuls_per_tile`` products
+    of [block, D_pad] x [D_pad, block] and one exponential per element on each computed tile,
+    and every operand read and output written once (a lower bound on the bytes).
+
+    Every operand and output has the batch first (``out_shape`` gives it for the operands'
+    batch), and the grid's leading axis enumerates batch x chunk. Under ``jax.vmap`` the
+    mapped axis joins the batch (one call over the larger batch) instead of going through
+    Pallas' batching rule, which prepends a grid axis without extending
+    ``dimension_semantics``.
+    """
     tables = [jnp.asarray(t) for t in worklist.tables()] + [jnp.asarray(plan.window_table())]
-    return lambda *operands: call(*tables, *operands)
+    body = functools.partial(kernel, plan=plan, num_chunks=worklist.num_chunks)
+    params = pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
+
+    @jax.custom_batching.custom_vmap
+    def call(*operands):
+        batch = operands[0].shape[0]
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=NUM_TABLES,
+            grid=(batch * worklist.num_chunks, worklist.steps_per_chunk),
+            in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch_shapes)
+        shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct((batch, *s.shape[1:]), s.dtype),
+                              out_shape)
+        tile = plan.block_q * plan.block_k
+        tiles = batch * worklist.active_steps
+        cost = pl.CostEstimate(
+            flops=tiles * matmuls_per_tile * 2 * tile * plan.head_dim_padded,
+            transcendentals=tiles * tile,
+            bytes_accessed=sum(x.size * x.dtype.itemsize
+                               for x in (*operands, *jax.tree.leaves(shapes))))
+        return pl.pallas_call(body, grid_spec=grid_spec, out_shape=shapes,
+                              compiler_params=params, cost_estimate=cost,
+                              interpret=False if plan.interpret is None else plan.interpret,
+                              name=name)(*tables, *operands)
+
+    @call.def_vmap
+    def _call_vmapped(axis_size, in_batched, *operands):
+        operands = [x if mapped else jnp.broadcast_to(x, (axis_size, *x.shape))
+                    for x, mapped in zip(operands, in_batched)]
+        outs = call(*(x.reshape(-1, *x.shape[2:]) for x in operands))
+        outs = jax.tree.map(lambda y: y.reshape(axis_size, -1, *y.shape[1:]), outs)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return call

@@ -45,6 +45,12 @@ def segment_mask(rows_seg_Nx128: jax.Array, cols_seg_8xM: jax.Array) -> jax.Arra
     return widen(rows_seg_Nx128, cols) == cols_seg_8xM[:1, :]
 
 
+def where(mask, x, fill: float):
+    """``jnp.where(mask, x, fill)`` with ``fill`` in x's dtype: a Python float would enter the
+    kernel as float64 under ``jax_enable_x64``, which Mosaic cannot lower."""
+    return jnp.where(mask, x, jnp.asarray(fill, x.dtype))
+
+
 def tile_mask(band_mask, rows_seg_ref, cols_seg_ref):
     """A tile's mask: its band mask (None for an interior tile) and, with segment ids, the
     same-segment mask; None when every pair of the tile is allowed."""

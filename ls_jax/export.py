@@ -2,13 +2,13 @@
 
     import jax
     from ls_jax.export import export
-    exported = export(jax.jit(fn), platforms=("cuda",), gpu="NVIDIA H100 80GB HBM3")(*args)
+    exported = export(jax.jit(fn), platforms=("cuda",), gpu=TARGET_DEVICE_KIND)(*args)
     exported.serialize()  # bytes (needs the flatbuffers package); jax.export.deserialize(...)
 
 What it adds to ``jax.export.export``:
 
-* ``gpu``: for "cuda", the target GPU's ``device_kind`` (as ``jax.devices()[0].device_kind``
-  names it there). Pallas' GPU lowering compiles for that GPU's architecture, so a machine
+* ``gpu``: for "cuda", the target GPU's ``device_kind`` (the string
+  ``jax.devices()[0].device_kind`` gives on that machine). Pallas' GPU lowering compiles for that GPU's architecture, so a machine
   without it must be told (JAX's ``jax.sharding.AbstractDevice``); on a machine with that GPU it
   may be left out.
 * the custom calls of our GPU kernels' Triton lowering are allowed: JAX refuses to serialize

@@ -178,7 +178,8 @@ def _train_py(args, cwd):
 
 def _no_data_overrides():
     """A data source and tokenizer that do not exist: a compile must not need them."""
-    return ["data.source=text:/nonexistent/*.txt", "data.tokenizer=sentencepiece:/nonexistent.model"]
+    return ["data.source=text:/nonexistent/*.txt",
+            "data.tokenizer=sentencepiece:/nonexistent.model"]
 
 
 @needs_libtpu

@@ -57,7 +57,7 @@ from ls_jax.kernels.dispatch import (
 )
 from ls_jax.kernels.heads import kv_group_size
 from ls_jax.kernels.reference import default_scale
-from ls_jax.kernels.sharded import Call, attention
+from ls_jax.kernels.sharded import Call, attention, register_backend_lookup
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -190,6 +190,9 @@ def get_backend(implementation: str):
         return split_backend
     raise ValueError(
         f"implementation: expected None or one of {IMPLEMENTATIONS}, got {implementation!r}")
+
+
+register_backend_lookup(lambda name: get_backend(name))  # read per call: tests replace it
 
 
 def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,

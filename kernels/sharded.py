@@ -146,9 +146,18 @@ def layout_of(axis_sizes: dict, spec, q_shape, kv_heads: int) -> Layout:
 
 # -- one backend call, per shard or whole -------------------------------------------------
 
+# ``kernels.api`` registers its backend lookup here when it is imported (it imports this
+# module, so this one cannot import it); the lookup reads ``api.get_backend`` per call.
+_backend_lookup = None
+
+
+def register_backend_lookup(lookup) -> None:
+    global _backend_lookup
+    _backend_lookup = lookup
+
+
 def _get_backend(implementation: str):
-    from ls_jax.kernels import api  # api imports this module; looked up per call (tests
-    return api.get_backend(implementation)  # replace api.get_backend)
+    return _backend_lookup(implementation)
 
 
 def run_backend(call: Call, q, k, v, segment_ids):

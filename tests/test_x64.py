@@ -14,11 +14,6 @@ from ls_jax.kernels.directional import directional_backend
 from ls_jax.kernels.reference import reference_attention_parts, reference_backend
 
 WINDOWS = (None, 3, 9, None)
-# Kernels whose x64 fix their owners have pending (each xfail is strict: the fix makes it
-# pass, and then its entry goes)
-PENDING = {
-    "pallas_tpu": "lax.div int32/int64 in pallas_tpu: its owner's fix",
-}
 
 
 def _inputs(dtype):
@@ -67,16 +62,12 @@ def cudnn_on_cpu(monkeypatch):
                         lambda q, k, v, scale: causal(q, k, v, scale))
 
 
-def _pending(*impls):
-    return [pytest.mark.xfail(reason=PENDING[i], strict=True) for i in impls if i in PENDING]
-
-
 CASES = [
-    *[pytest.param(impl, dtype, id=f"{impl}-{dtype}", marks=_pending(impl))
+    *[pytest.param(impl, dtype, id=f"{impl}-{dtype}")
       for impl in ("reference", "pallas_gpu", "pallas_tpu") for dtype in ("float32", "bfloat16")],
     pytest.param("cudnn", "bfloat16", id="cudnn-bfloat16"),  # cuDNN takes no float32
     # its local heads are pallas_gpu's
-    pytest.param("split", "bfloat16", id="split-bfloat16", marks=_pending("pallas_gpu")),
+    pytest.param("split", "bfloat16", id="split-bfloat16"),
 ]
 
 

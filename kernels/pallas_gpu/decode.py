@@ -52,7 +52,7 @@ def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split:
                 for i in range(n_groups)]
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     D = q_ref.shape[-1]
-    kv = jax.lax.div(h, group)  # the new token's kv head that query head h reads
+    kv = jax.lax.div(h, jnp.int32(group))  # the new token's kv head that query head h reads
     q_D = plgpu.load(q_ref.at[b, h, pl.ds(0, D)]).astype(jnp.float32) * scale
     q_pos = qpos_ref[b]
     real = q_pos >= 0

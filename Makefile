@@ -56,14 +56,19 @@ sample: venv
 test: venv
 	$(PY) -m pytest -q -n $(TEST_WORKERS) tests $(ARGS)
 
-$(VENV_NEXT)/.installed: requirements.txt pyproject.toml Makefile
-	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=/path/to/python3.12" >&2; exit 1; }
-	$(PYTHON) -m venv $(VENV_NEXT)
-	$(VENV_NEXT)/bin/python -m pip install -q --upgrade pip
-	grep -v '^jax' requirements.txt > $(VENV_NEXT)/requirements.txt
-	$(VENV_NEXT)/bin/python -m pip install -q -r $(VENV_NEXT)/requirements.txt \
+# A venv over $(VENV): that venv's packages (and its editable ls_jax) through a .pth, its own
+# site-packages first; `make $(VENV_NEXT)/.installed` etc. add to it what differs.
+define overlay_venv
+	rm -rf $(1)
+	"$$($(PY) -c 'import sys; print(sys._base_executable)')" -m venv --without-pip $(1)
+	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
+	  > "$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_base_venv.pth"
+endef
+
+$(VENV_NEXT)/.installed: $(VENV)/.installed
+	$(call overlay_venv,$(VENV_NEXT))
+	$(PY) -m pip install -q --no-deps --target "$$($(VENV_NEXT)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
 	  "jax==$(JAX_NEXT)" "jaxlib==$(JAX_NEXT)"
-	$(VENV_NEXT)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
 test-jax-next: $(VENV_NEXT)/.installed
@@ -81,8 +86,16 @@ TPU_VENV ?= .venv-tpu
 
 .PHONY: venv-tpu test-tpu-compile
 
-venv-tpu:
-	$(MAKE) --no-print-directory venv VENV=$(TPU_VENV) JAX_EXTRA=tpu
+# libtpu as the lock's jax[tpu] extra pins it (jax 0.11.2: libtpu==0.0.48.*)
+LIBTPU ?= 0.0.48.1
+
+$(TPU_VENV)/.installed: $(VENV)/.installed
+	$(call overlay_venv,$(TPU_VENV))
+	$(PY) -m pip install -q --no-deps --target "$$($(TPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+	  "libtpu==$(LIBTPU)"
+	touch $@
+
+venv-tpu: $(TPU_VENV)/.installed
 
 test-tpu-compile: venv-tpu
 	$(TPU_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) -m tpu_compile tests/test_tpu_compile.py $(ARGS)

@@ -196,7 +196,8 @@ register_backend_lookup(lambda name: get_backend(name))  # read per call: tests 
 
 
 def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
-                 return_logit_stats=False, implementation=None, interpret=False):
+                 return_logit_stats=False, implementation=None, interpret=False,
+                 partition_spec=None):
     """Causal attention with a window per query head (LS-attention), in one call for all heads.
 
     Window semantics, side by side (p an int >= 1):
@@ -232,6 +233,12 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
       interpret: run a Pallas backend in Pallas interpret mode (on CPU); for "split" its local
         heads' kernel (its global heads still need cuDNN). For "pallas_tpu" this may also be a
         ``pltpu.InterpretParams``.
+      partition_spec: for a caller that knows how q, k, v lie on the mesh in context
+        (``jax.set_mesh``), their ``PartitionSpec(batch_axes, None, head_axes, None)``: the call
+        is then a ``jax.shard_map`` over that layout rather than custom-partitioned ops whose
+        layout XLA chooses (which compiles with less work, and also where custom partitioning
+        is not available: a compile for a TPU topology from a host without TPUs). Ignored
+        without a mesh in context.
 
     Returns:
       [B, T, Hq, D] in q's dtype, or ``(out, LogitStats)`` with ``return_logit_stats=True``.
@@ -260,7 +267,11 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
     call = Call(primal=primal, differentiated=implementation, windows=windows, scale=scale,
                 logit_stats=bool(return_logit_stats), has_segments=segment_ids is not None,
                 interpret=interpret)
-    out, max_abs_logit = attention(call, q, k, v, segment_ids)
+    if partition_spec is not None and not isinstance(partition_spec, jax.sharding.PartitionSpec):
+        raise ValueError(
+            "partition_spec: expected None or a jax.sharding.PartitionSpec, got "
+            f"{type(partition_spec).__name__}")
+    out, max_abs_logit = attention(call, q, k, v, segment_ids, partition_spec)
     if not return_logit_stats:
         return out
     return out, LogitStats(max_abs_logit=jax.lax.stop_gradient(max_abs_logit.astype(jnp.float32)))

@@ -201,9 +201,11 @@ def _per_shard(fn, call: Call, layout: Layout, axis_sizes: dict, stats_at: int |
     return body
 
 
-# -- Explicit axes: shard_map from the inputs' types --------------------------------------
+# -- a known layout (Explicit axes, or the caller's spec): shard_map ---------------------------
 
-def _explicit(call: Call, mesh, layout: Layout, q, k, v, segment_ids):
+def _shard_mapped(call: Call, mesh, layout: Layout, q, k, v, segment_ids):
+    """The call as a ``jax.shard_map`` over ``layout`` on ``mesh`` (None: the mesh in
+    context); inputs of Explicit axes are resharded to it, Auto ones constrained by it."""
     def run(call, q, k, v, *seg):
         out, stats = run_backend(call, q, k, v, seg[0] if seg else None)
         return (out, stats) if call.logit_stats else (out,)
@@ -211,9 +213,11 @@ def _explicit(call: Call, mesh, layout: Layout, q, k, v, segment_ids):
     args, in_specs = [q, k, v], [layout.qkv] * 3
     if segment_ids is not None:
         args, in_specs = args + [segment_ids], in_specs + [layout.segments]
-    args = [jax.sharding.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs)]
+    if mesh is not None:
+        args = [jax.sharding.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, in_specs)]
+    sizes = dict((mesh or jax.sharding.get_abstract_mesh()).shape)
     out_specs = (layout.qkv, layout.stats) if call.logit_stats else (layout.qkv,)
-    body = _per_shard(run, call, layout, dict(mesh.shape), 1 if call.logit_stats else None)
+    body = _per_shard(run, call, layout, sizes, 1 if call.logit_stats else None)
     outs = jax.shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
                          check_vma=False)(*args)
     return outs[0], (outs[1] if call.logit_stats else None)
@@ -383,22 +387,32 @@ def _auto(call: Call, q, k, v, segment_ids):
 
 # -- which path ------------------------------------------------------------------------------
 
-def attention(call: Call, q, k, v, segment_ids):
+def attention(call: Call, q, k, v, segment_ids, partition_spec=None):
     """(out, max_abs_logit [H] or None) of ``call`` on q, k, v, split per shard where the
-    inputs are sharded (this module's docstring)."""
+    inputs are sharded (this module's docstring); ``partition_spec``: q's layout over the
+    mesh in context, given by a caller that knows it."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.manual_axes:  # inside a shard_map: the caller's program is already per shard
         return run_backend(call, q, k, v, segment_ids)
+    if partition_spec is not None and not mesh.empty:
+        layout = layout_of(dict(mesh.shape), partition_spec, q.shape, k.shape[2])
+        if not (layout.batch or layout.heads):
+            return run_backend(call, q, k, v, segment_ids)
+        explicit = mesh if mesh.explicit_axes else None
+        return _shard_mapped(call, explicit, layout, q, k, v, segment_ids)
     sharding = jax.typeof(q).sharding
     q_mesh = getattr(sharding, "mesh", None)
     if q_mesh is not None and not q_mesh.empty and q_mesh.explicit_axes:
         spec = tuple(sharding.spec)
         if any(_axes(e) for e in spec):
             layout = layout_of(dict(q_mesh.shape), spec, q.shape, k.shape[2])
-            return _explicit(call, q_mesh, layout, q, k, v, segment_ids)
+            return _shard_mapped(call, q_mesh, layout, q, k, v, segment_ids)
         if not q_mesh.auto_axes:
             return run_backend(call, q, k, v, segment_ids)
-    if jax.device_count() == 1 or _tpu_interpreter(call):
+    # the devices of the mesh in context (a compile for another topology names its own), else
+    # of this process
+    devices = mesh.size if not mesh.empty else jax.device_count()
+    if devices == 1 or _tpu_interpreter(call):
         return run_backend(call, q, k, v, segment_ids)
     return _auto(call, q, k, v, segment_ids)
 

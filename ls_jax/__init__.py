@@ -17,7 +17,7 @@ _EXPORTS = {
     "ModelConfig": "ls_jax.config",
     "TrainConfig": "ls_jax.config",
     "LSAttention": "ls_jax.attention",
-    "layer_window_sizes": "ls_jax.attention",
+    "layer_window_sizes": "ls_jax.config",
     "Transformer": "ls_jax.model",
     "LogitStats": "ls_jax.kernels",
     "ls_attention": "ls_jax.kernels",

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ls_jax.config import layer_window_sizes
 from ls_jax.kernels import ls_attention, normalize_window_sizes
 from ls_jax.kernels.decode import cached_attention, decode_step_attention
 from ls_jax.kernels.dispatch import IMPLEMENTATIONS, INTERPRET_IMPLEMENTATIONS
@@ -25,20 +26,13 @@ from ls_jax.kernels.heads import kv_group_size, take_heads
 from ls_jax.kv_cache import (CacheLayout, CacheStep, LayerCache, decode_groups,
                              global_positions, ring_positions, with_written, write_layer)
 from ls_jax.rope import apply_rope
+from ls_jax.sharding import attention_spec
 
 
 def partitioned(init, axes: tuple[str | None, ...]):
     """``init`` with logical axis names for sharding (mapped to mesh axes by
     ls_jax/sharding.py when a run places the state; creating a module needs no mesh)."""
     return nnx.with_partitioning(init, axes, eager_sharding=False)
-
-
-def layer_window_sizes(n_head: int, n_global_heads: int, window: int) -> tuple[int | None, ...]:
-    """None for the first ``n_global_heads`` heads (global), ``window`` for the others (local)."""
-    if not 0 <= n_global_heads <= n_head:
-        raise ValueError(
-            f"n_global_heads: expected an int in [0, n_head={n_head}], got {n_global_heads}")
-    return (None,) * n_global_heads + (window,) * (n_head - n_global_heads)
 
 
 def _positive_int(name: str, value) -> int:
@@ -289,11 +283,12 @@ def attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, o_proj, window_sizes, *, q_norm, k_n
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     q_BxTxHxD, k_BxTxGxD = norm_and_rope(q_BxTxHxD, k_BxTxGxD, positions, q_norm=q_norm,
                                          k_norm=k_norm, rope_theta=rope_theta, dtype=dtype)
-    # one kernel call per shard on sharded inputs (kernels/sharded.py)
+    # one kernel call per shard, laid out as the model's mesh lays out heads and batch
     result = ls_attention(
         q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, window_sizes, segment_ids=segment_ids,
         return_logit_stats=return_logit_stats, implementation=implementation,
-        interpret=interpret)
+        interpret=interpret,
+        partition_spec=attention_spec(B, H, k_BxTxGxD.shape[2]))
     out_BxTxHxD = result[0] if return_logit_stats else result
     y_BxTxM = o_proj(out_BxTxHxD.reshape(B, T, H * D))
     if return_logit_stats:

@@ -44,6 +44,14 @@ def _check_float(section, key, value, lo=None, hi=None, lo_open=False):
         _fail(section, key, f"a number <= {hi}", value)
 
 
+def layer_window_sizes(n_head: int, n_global_heads: int, window: int) -> tuple[int | None, ...]:
+    """None for the first ``n_global_heads`` heads (global), ``window`` for the others (local)."""
+    if not 0 <= n_global_heads <= n_head:
+        raise ValueError(
+            f"n_global_heads: expected an int in [0, n_head={n_head}], got {n_global_heads}")
+    return (None,) * n_global_heads + (window,) * (n_head - n_global_heads)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """GPT-2-style decoder with LS-attention.
@@ -105,7 +113,6 @@ class ModelConfig:
     @property
     def window_sizes(self) -> tuple[int | None, ...]:
         """Per-head windows of every layer: None for the global heads, ``window`` for the rest."""
-        from ls_jax.attention import layer_window_sizes
         return layer_window_sizes(self.n_head, self.n_global_heads, self.window)
 
 

@@ -146,6 +146,18 @@ def constrain_batch(x):
     return jax.lax.with_sharding_constraint(x, P(BATCH_AXES))
 
 
+def attention_spec(batch: int, heads: int, kv_heads: int) -> P | None:
+    """How the model's q, k, v [B, T, H, D] lie on the mesh set by ``jax.set_mesh``: the
+    batch over the batch axes and the heads over ``tensor``, each where the mesh divides it;
+    None without such a mesh (``ls_attention``'s ``partition_spec``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not all(a in mesh.axis_names for a in MESH_AXES):
+        return None
+    batch_axes = BATCH_AXES if batch % math.prod(mesh.shape[a] for a in BATCH_AXES) == 0 else None
+    split_heads = heads % mesh.shape["tensor"] == 0 and kv_heads % mesh.shape["tensor"] == 0
+    return P(batch_axes, None, "tensor" if split_heads else None, None)
+
+
 def global_batch(local_batch: dict, sharding: NamedSharding) -> dict:
     """This process's numpy batch -> global jax.Arrays sharded on the batch axis."""
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))

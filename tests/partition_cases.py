@@ -40,13 +40,14 @@ def _inputs(kv_heads: int, segments: bool):
     return q, k, v, do, seg
 
 
-def _program(impl: str, windows, seg):
+def _program(impl: str, windows, seg, partition_spec=None):
     from ls_jax.kernels import ls_attention
     interpret = impl != "reference"
 
     def loss(q, k, v, do):
         out, stats = ls_attention(q, k, v, windows, segment_ids=seg, return_logit_stats=True,
-                                  implementation=impl, interpret=interpret)
+                                  implementation=impl, interpret=interpret,
+                                  partition_spec=partition_spec)
         return jnp.sum(out * do), (out, stats.max_abs_logit)
 
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -57,14 +58,18 @@ def _compare(impl: str, axis_type: str, layout: str, segments: bool):
     spec, kv_heads, windows = LAYOUTS[layout]
     q, k, v, do, seg = _inputs(kv_heads, segments)
     (_, (o0, m0)), g0 = _program(impl, windows, seg)(q, k, v, do)
+    # "Spec": Auto axes and the layout passed as ls_attention's partition_spec
+    given = axis_type == "Spec"
+    axis_type = "Auto" if given else axis_type
     mesh = jax.make_mesh((4, 2), ("rows", "cols"), axis_types=(getattr(AxisType, axis_type),) * 2)
     sharding = NamedSharding(mesh, spec)
     args = [jax.device_put(x, sharding) for x in (q, k, v, do)]
     with jax.set_mesh(mesh):
         seg_s = None if seg is None else jax.device_put(seg, NamedSharding(mesh, P(spec[0])))
-        program = _program(impl, windows, seg_s)
+        program = _program(impl, windows, seg_s, spec if given else None)
         (_, (o1, m1)), g1 = program(*args)
-        hlo = program.lower(*args).compile().as_text()
+        lowered = program.lower(*args)
+        hlo = lowered.compile().as_text()
     return {
         "out": float(jnp.max(jnp.abs(o0 - o1))),
         "stats": float(jnp.max(jnp.abs(m0 - m1))),
@@ -72,11 +77,13 @@ def _compare(impl: str, axis_type: str, layout: str, segments: bool):
         "out_spec": str(o1.sharding.spec),
         "grad_specs": [str(g.sharding.spec) for g in g1],
         "gathers": len(qkv_gathers(hlo, T, H, D)),
+        "custom_partitioned": lowered.as_text().count("CustomSPMDPartitioning"),
     }
 
 
 def case_compare(*cases: str):
-    """Each case "impl:Auto|Explicit:layout[:segments]" (layout a key of LAYOUTS)."""
+    """Each case "impl:Auto|Explicit|Spec:layout[:segments]" (layout a key of LAYOUTS; Spec:
+    Auto axes with the layout given as ``partition_spec``)."""
     out = {}
     for case in cases:
         impl, axis_type, layout, *seg = case.split(":")

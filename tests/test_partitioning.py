@@ -31,6 +31,7 @@ COMPARED = [
     "reference:Auto:batch_two_axes", "reference:Auto:same_windows",
     "pallas_gpu:Auto:gqa:segments",
     "reference:Explicit:gqa:segments", "pallas_gpu:Explicit:heads", "pallas_tpu:Explicit:gqa",
+    "reference:Spec:gqa:segments", "reference:Spec:batch_two_axes",
 ]
 # one subprocess per group (they run at once); the slow interpreters get their own
 GROUPS = [[c for c in COMPARED if c.startswith("reference")],
@@ -68,6 +69,8 @@ def test_sharded_call_matches_one_device_without_gathers(cases, case):
     r = cases["compared"][case]
     assert r["out"] < 1e-5 and r["grads"] < 1e-5 and r["stats"] < 1e-5, r
     assert r["gathers"] == 0, r
+    # Auto axes: custom-partitioned ops; a given layout or Explicit axes: a shard_map
+    assert (r["custom_partitioned"] > 0) == (case.split(":")[1] == "Auto"), r
     layout = case.split(":")[2]
     want = {"batch": ["rows"], "heads": [None, None, "cols"], "batch_two_axes":
             [["rows", "cols"]]}.get(layout, ["rows", None, "cols"])

@@ -63,7 +63,7 @@ from ls_jax.model import Transformer, count_params
 SHAPES = {  # name: (n_layer, n_head, head_dim, d_model)
     "paper": (6, 6, 32, 192),
     "wide": (12, 12, 64, 768),
-    "smoke": (2, 4, 16, 64),
+    "smoke": (1, 4, 16, 64),
 }
 
 

@@ -32,11 +32,30 @@ def loop_attention(q, k, v, q_pos, k_pos, windows):
     return out
 
 
+def normal(rng, *shape):
+    """float32 inputs from numpy (no JAX program to compile per shape)."""
+    return jnp.asarray(rng.standard_normal(shape, np.float32))
+
+
+def attend(q, k, v, q_pos, k_pos, windows, implementation):
+    """cached_attention as one jitted program (eagerly, each op would compile on its own)."""
+    return jax.jit(lambda *a: cached_attention(*a, windows, implementation=implementation))(
+        q, k, v, q_pos, k_pos)
+
+
+def step(q, k_new, v_new, q_pos, groups, windows, implementation):
+    """decode_step_attention as one jitted program (the groups' arrays as its arguments)."""
+    def fn(q, k_new, v_new, q_pos, arrays):
+        return decode_step_attention(
+            q, k_new, v_new, q_pos,
+            [CacheGroup(*a, g.kv_heads) for a, g in zip(arrays, groups)], windows,
+            implementation=implementation)
+    return jax.jit(fn)(q, k_new, v_new, q_pos, [(g.k, g.v, g.k_pos, g.slot_B) for g in groups])
+
+
 def case(T, S=37, B=2, Hq=4, Hkv=2, D=16):
-    ks = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(ks[0], (B, T, Hq, D))
-    k = jax.random.normal(ks[1], (B, S, Hkv, D))
-    v = jax.random.normal(ks[2], (B, S, Hkv, D))
+    rng = np.random.default_rng(0)
+    q, k, v = normal(rng, B, T, Hq, D), normal(rng, B, S, Hkv, D), normal(rng, B, S, Hkv, D)
     # row 0: a global-style cache (slot = position, 30 written); row 1: scrambled positions
     k_pos = np.stack([np.where(np.arange(S) < 30, np.arange(S), -1),
                       np.arange(S)[::-1] - 3]).astype(np.int32)
@@ -52,15 +71,15 @@ WINDOWS = (None, 5, 3, None)
 def test_chunk_backends_match_the_loop(impl, T):
     q, k, v, q_pos, k_pos = case(T)
     want = loop_attention(q, k, v, np.asarray(q_pos), np.asarray(k_pos), WINDOWS)
-    got = cached_attention(q, k, v, q_pos, k_pos, WINDOWS, implementation=impl)
+    got = attend(q, k, v, q_pos, k_pos, WINDOWS, impl)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_chunk_bf16_cache_close_to_float32():
     q, k, v, q_pos, k_pos = case(4)
-    ref = cached_attention(q, k, v, q_pos, k_pos, WINDOWS, implementation="reference")
-    got = cached_attention(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), q_pos, k_pos,
-                           WINDOWS, implementation="xla")
+    ref = attend(q, k, v, q_pos, k_pos, WINDOWS, "reference")
+    got = attend(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), q_pos, k_pos, WINDOWS,
+                 "xla")
     np.testing.assert_allclose(got, ref, atol=3e-2)
 
 
@@ -74,11 +93,10 @@ def step_case(S_global=37, P=5, D=16, B=3):
     = position, 30 written, the token at 30; row 1: scrambled positions, the token at 20, and
     the ring slot it replaces holds position 18, inside kv head 1's windows (so a slot that
     were not left out would change the result); row 2: padding."""
-    ks = jax.random.split(jax.random.key(1), 7)
-    q = jax.random.normal(ks[0], (B, 6, D))
-    k_new, v_new = (jax.random.normal(ks[i], (B, 3, D)) for i in (1, 2))
-    kg, vg = (jax.random.normal(ks[i], (B, S_global, 2, D)) for i in (3, 4))
-    kr, vr = (jax.random.normal(ks[i], (B, P, 1, D)) for i in (5, 6))
+    rng = np.random.default_rng(1)
+    q, k_new, v_new = normal(rng, B, 6, D), normal(rng, B, 3, D), normal(rng, B, 3, D)
+    kg, vg = normal(rng, B, S_global, 2, D), normal(rng, B, S_global, 2, D)
+    kr, vr = normal(rng, B, P, 1, D), normal(rng, B, P, 1, D)
     s = np.arange(S_global)
     pos_g = np.stack([np.where(s < 30, s, -1), s[::-1] - 3, np.where(s < 9, s, -1)])
     pos_r = np.array([[25, 26, 27, 28, 29], [15, 16, 17, 18, 19], [5, 6, 7, 8, -1]])
@@ -136,8 +154,7 @@ def test_decode_step_matches_the_loop(impl, block_s):
             kv_heads=tuple(g.kv_heads for g in groups), window_sizes=STEP_WINDOWS, scale=0.25,
             interpret=True, block_s=block_s)
     else:
-        out, kv = decode_step_attention(q, k_new, v_new, q_pos, groups, STEP_WINDOWS,
-                                        implementation=impl)
+        out, kv = step(q, k_new, v_new, q_pos, groups, STEP_WINDOWS, impl)
     np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(out[2], 0.0)  # the padding row
     for (k, v), (wk, wv) in zip(kv, want_kv):
@@ -147,12 +164,10 @@ def test_decode_step_matches_the_loop(impl, block_s):
 
 def test_decode_step_bf16_cache_close_to_float32():
     q, k_new, v_new, q_pos, groups = step_case()
-    ref, _ = decode_step_attention(q, k_new, v_new, q_pos, groups, STEP_WINDOWS,
-                                   implementation="reference")
+    ref, _ = step(q, k_new, v_new, q_pos, groups, STEP_WINDOWS, "reference")
     bf16 = tuple(CacheGroup(g.k.astype(jnp.bfloat16), g.v.astype(jnp.bfloat16), g.k_pos,
                             g.slot_B, g.kv_heads) for g in groups)
-    got, kv = decode_step_attention(q, k_new, v_new, q_pos, bf16, STEP_WINDOWS,
-                                    implementation="xla")
+    got, kv = step(q, k_new, v_new, q_pos, bf16, STEP_WINDOWS, "xla")
     np.testing.assert_allclose(got, ref, atol=3e-2)
     assert all(k.dtype == jnp.bfloat16 and v.dtype == jnp.bfloat16 for k, v in kv)
 

@@ -57,9 +57,9 @@ def test_training_writes_a_trace_of_the_profiled_steps(tmp_path):
     cfg = get_config("tiny", [
         "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.head_dim=16",
         "model.window=8", "model.max_seq_len=32", "data.seq_len=32", "data.shuffle_window=16",
-        "train.batch_size=2", "train.warmup_steps=1", "train.num_steps=3", "train.save_every=3",
-        "train.eval_batches=1", "train.progress=false", "train.async_checkpoints=false",
-        "train.profile_steps=2:2"])
+        "train.batch_size=2", "train.warmup_steps=1", "train.num_steps=2", "train.save_every=2",
+        "train.log_every=1", "train.eval_batches=1", "train.progress=false",
+        "train.async_checkpoints=false", "train.profile_steps=2:2"])  # one step function
     messages = []
     train(cfg, str(tmp_path / "run"), log=messages.append)
     profile_dir = tmp_path / "run" / "tensorboard" / "plugins" / "profile"

@@ -11,9 +11,13 @@ from experiments.stability_report import count_spikes, summarize
 from ls_jax.configs import get_config
 
 
+# the smoke preset, one layer, one checkpoint and only the final eval: what the report reads
+SMALL = ["model.n_layer=1", "train.save_every=6", "train.eval_every=0"]
+
+
 def test_smoke_run_writes_metrics_plot_and_table(tmp_path):
     out = str(tmp_path)
-    statuses = stability.run(out, "smoke", log=lambda m: None)
+    statuses = stability.run(out, "smoke", overrides=SMALL, log=lambda m: None)
     assert set(statuses) == set(stability.VARIANTS)
     for variant in stability.VARIANTS:
         assert statuses[variant]["state"] == "finished"
@@ -36,11 +40,11 @@ def test_smoke_run_writes_metrics_plot_and_table(tmp_path):
     plain = summarize([json.loads(x) for x in open(os.path.join(out, "mhsa", "metrics.jsonl"))], {})
     assert qk["final_max_abs_logit"] != plain["final_max_abs_logit"]
     # a second call resumes nothing: every variant is finished
-    again = stability.run(out, "smoke", log=lambda m: None)
+    again = stability.run(out, "smoke", overrides=SMALL, log=lambda m: None)
     assert all(s["state"] == "finished" and "seconds_this_call" in s for s in again.values())
     # the same out dir with other settings is refused
     with pytest.raises(ValueError, match=r"holds a run with a different config \(train.lr"):
-        stability.run(out, "smoke", overrides=["train.lr=1e-3"], log=lambda m: None)
+        stability.run(out, "smoke", overrides=SMALL + ["train.lr=1e-3"], log=lambda m: None)
 
 
 def test_variant_configs_are_the_named_paper_configs_rescaled():

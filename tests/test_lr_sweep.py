@@ -51,13 +51,13 @@ def test_build_corpus_caps_splits_and_ends_documents():
 
 
 def test_program_step_matches_the_library_train_step():
-    """The runner's update (unit schedule x peak lr at run time) against ls_jax.train's."""
+    """The runner's update (unit schedule x peak lr at run time) against ls_jax.step's."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from ls_jax.state import create_model_and_optimizer
-    from ls_jax.train import make_train_step
+    from ls_jax.step import make_train_step
 
     cfg = runner.variant_config("ls", TINY)
     rng = np.random.default_rng(0)

@@ -1,6 +1,6 @@
-"""Issue 14's experiments: the byte corpus, the variants, the learning-rate sweep (CPU smoke) and
-the paper-batch run on 4 fake devices without the packages the GPU image lacks. The runner
-against the library's step is tests/test_step.py's."""
+"""Issue 14's experiments: the variants, the learning-rate sweep (CPU smoke) and the paper-batch
+run on 4 fake devices without the packages the GPU image lacks. The byte corpus is
+tests/test_byte_corpus.py's, the runner against the library's step tests/test_step.py's."""
 
 import json
 import math
@@ -9,44 +9,13 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
 from experiments import lr_sweep, runner
-from experiments.byte_corpus import WindowSampler, build_corpus
 
 from tests.test_step import BLOCK
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def test_window_sampler_is_a_seeded_permutation_per_epoch():
-    tokens_N = np.arange(30, dtype=np.uint8)  # 10 windows of 3 tokens (T = 2)
-    s = WindowSampler(tokens_N, seq_len=2, batch_size=4, seed=7)
-    assert s.n_windows == 10
-    rows = np.concatenate([s.batch(i) for i in range(5)])  # 20 windows = two epochs
-    starts = rows[:, 0] // 3
-    assert sorted(starts[:10]) == list(range(10)) and sorted(starts[10:]) == list(range(10))
-    assert list(starts[:10]) != list(starts[10:])  # a new order in the second epoch
-    assert np.array_equal(rows[:, 1], rows[:, 0] + 1)  # contiguous windows
-    again = WindowSampler(tokens_N, seq_len=2, batch_size=4, seed=7)
-    assert np.array_equal(again.batch(3), s.batch(3))  # depends only on the step
-    assert s.epochs(5) == 2.0
-    assert [b[:, 0].tolist() for b in s.fixed_batches(5)] == [[0, 3, 6, 9], [12, 15, 18, 21]]
-    with pytest.raises(ValueError, match="tokens: expected at least batch_size=4 windows"):
-        WindowSampler(tokens_N[:8], seq_len=2, batch_size=4, seed=0)
-
-
-def test_build_corpus_caps_splits_and_ends_documents():
-    c = build_corpus("stdlib", max_bytes=300_000, validation_percent=10)
-    assert 0 < c.train_N.size and 0 < c.validation_N.size and c.skipped_files == 0
-    assert c.train_N.dtype == np.uint8 and c.train_N[-1] == 0  # EOS after each file
-    assert int((c.train_N == 0).sum()) == c.train_files
-    assert int((c.validation_N == 0).sum()) == c.validation_files
-    # the cap stops at the first file past it: at most one file more than 300 KB
-    assert 300_000 <= c.train_N.size + c.validation_N.size < 300_000 + 2_000_000
-    with pytest.raises(ValueError, match="source: expected one of"):
-        build_corpus("pg19")
 
 
 def test_variant_configs_are_the_paper_configs_with_bytes():
@@ -90,6 +59,7 @@ def test_sweep_smoke_counts_divergence_resumes_and_refuses_other_settings(tmp_pa
         assert summary[v]["diverged"] == 1 and summary[v]["best_lr"] == 0.01
     table = open(os.path.join(out, "results.md")).read()
     assert "| ls | **" in table and "diverged" in table
+    assert "duplicate files" in table and "epochs of the training split" in table
     assert os.path.getsize(os.path.join(out, "lr_sweep.png")) > 10_000
     saved = json.load(open(os.path.join(out, "results.json")))
     assert saved["summary"]["mhsa"]["points_run"] == 2
@@ -99,6 +69,21 @@ def test_sweep_smoke_counts_divergence_resumes_and_refuses_other_settings(tmp_pa
     assert open(os.path.join(out, "points.jsonl")).read() == before
     with pytest.raises(ValueError, match="holds a sweep with other settings"):
         lr_sweep.run(out, "smoke", variants=("ls",), lrs=[1e-2], steps=5, **quiet)
+
+
+def test_a_corpus_is_named_and_an_output_of_another_corpus_refused(tmp_path):
+    from experiments import paper_batch
+
+    for run in (lr_sweep.run, paper_batch.run):
+        with pytest.raises(ValueError, match=r"corpus: expected one of \('stdlib', 'python', "
+                                             r"'offline'\), got 'pg19'"):
+            run(str(tmp_path / run.__module__), "smoke", corpus="pg19", log=lambda m: None)
+    built = {"source": "offline", "train_tokens": 10, "validation_tokens": 2, "train_files": 3}
+    results = {"corpus": built, "variants": {"ls": {"state": "finished"}}}
+    paper_batch.check_same_corpus("OUT", results, dict(built))  # the same corpus: no error
+    with pytest.raises(ValueError, match=r"out: OUT holds variants trained on another corpus"):
+        paper_batch.check_same_corpus("OUT", results, {**built, "train_tokens": 11})
+    paper_batch.check_same_corpus("OUT", {**results, "variants": {}}, {**built, "train_files": 4})
 
 
 def test_paper_batch_smoke_on_four_devices_matches_one_device(tmp_path):

@@ -10,7 +10,7 @@ Shapes are ``bench/scaling.py``'s (``125m``: 12 layers, d=768, T=8192, batch 2; 
 6 layers, d=192, T=2048, batch 8; ``--tiny``: its smoke shape), on one device. Attention:
 ``default`` (the model's ``attn_implementation=None``: our kernels on a GPU) and ``cudnn``,
 or any ``kernels.ls_attention`` backend. The step is ls_jax's own: ``compile_train_fns`` of
-ls_jax/train.py (the state donated, the plain step without logit statistics).
+ls_jax/step.py (the state donated, the plain step without logit statistics).
 
 Each (shape, attention) runs in a fresh subprocess with JAX's persistent compilation cache off,
 so that no compile is served from a cache. Measured (wall clock, seconds):
@@ -58,7 +58,7 @@ def worker(shape_name: str, shape: dict, attention: str, steps: int, warmup: int
     from ls_jax.config import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig
     from ls_jax.model import count_params
     from ls_jax.state import init_key
-    from ls_jax.train import compile_train_fns
+    from ls_jax.step import compile_train_fns
 
     model = dict(shape["model"], attn_implementation=None if attention == "default"
                  else attention)

@@ -8,9 +8,13 @@ Every point trains the paper's model shape (``ls_jax.configs`` paper / paper_mhs
 paper_qknorm / paper_zloss, byte tokens) from the same initialisation (seed), on the same
 batches in the same order, for the same number of steps; only the peak lr differs (linear
 warmup over 10% of the steps, cosine to peak / 10). One compiled step per variant serves every
-lr (``experiments.runner``). A point is *diverged* when its loss or gradient norm became
-non-finite (training stops there) or its loss blew up: the median of its last 5% of step losses
-is > 1.5x its best 11-step running median. Its final loss is the cross-entropy on held-out files.
+lr (``experiments.runner``: the library's train step, the peak lr a value of its state). The
+data is a byte corpus (``experiments.byte_corpus``; the GPU presets read ``offline``, the
+machine's deduplicated text, and ``--corpus`` picks another source); the results give its
+report and the epochs each point sees. A point is *diverged* when its loss or gradient norm
+became non-finite (training stops there) or its loss blew up: the median of its last 5% of
+step losses is > 1.5x its best 11-step running median. Its final loss is the cross-entropy on
+held-out files.
 
 Resumable: each finished point is one line of ``OUT/points.jsonl``; the same command skips the
 points it holds and refuses an OUT made with other settings. Points run lr by lr (all variants
@@ -34,7 +38,7 @@ import time
 
 import numpy as np
 
-from experiments.byte_corpus import SOURCES, WindowSampler, build_corpus
+from experiments.byte_corpus import SOURCES, WindowSampler, build_corpus, summary_line
 from experiments.runner import VARIANTS, Program, data_mesh, run_steps, variant_config
 from experiments.stability_report import count_spikes
 
@@ -53,13 +57,13 @@ PRESETS = {
     # ~4 compiles of ~30 s; ~6-7 minutes on one H100 in all.
     "gpu": {"overrides": ["model.max_seq_len=2048", "data.seq_len=2048"],
             "seq_len": 2048, "batch_size": 32, "steps": 400, "lrs": log_spaced(3e-4, 3e-2, 7),
-            "corpus": "python", "max_corpus_mb": 96, "validation_percent": 1,
+            "corpus": "offline", "max_corpus_mb": None, "validation_percent": 1,
             "eval_batches": 8},
     # The issue's repeat at T=8192 (the same tokens per step and point); MHSA runs at about
     # 2.4M tokens/s there on an H200 (stability run 3): ~8-9 minutes. Not in this budget.
     "gpu_t8192": {"overrides": ["model.max_seq_len=8192", "data.seq_len=8192"],
                   "seq_len": 8192, "batch_size": 8, "steps": 400,
-                  "lrs": log_spaced(3e-4, 3e-2, 7), "corpus": "python", "max_corpus_mb": 96,
+                  "lrs": log_spaced(3e-4, 3e-2, 7), "corpus": "offline", "max_corpus_mb": None,
                   "validation_percent": 1, "eval_batches": 8},
     "smoke": {"overrides": ["model.n_layer=1", "model.d_model=48", "model.head_dim=8",
                             "model.window=8", "model.max_seq_len=64",
@@ -84,12 +88,12 @@ def sweep_configs(preset: dict, variants, steps: int, seed: int) -> dict:
     return {v: variant_config(v, [*preset["overrides"], *train]) for v in variants}
 
 
-def settings_of(preset_name: str, preset: dict, steps: int, seed: int) -> dict:
+def settings_of(preset_name: str, preset: dict, steps: int, seed: int, corpus: str) -> dict:
     """Everything a point's result depends on, besides its variant and lr."""
     cfgs = sweep_configs(preset, VARIANTS, steps, seed)
     return {"preset": preset_name, "steps": steps, "seed": seed,
             "seq_len": preset["seq_len"], "batch_size": preset["batch_size"],
-            "corpus": {"source": preset["corpus"], "max_mb": preset["max_corpus_mb"],
+            "corpus": {"source": corpus, "max_mb": preset["max_corpus_mb"],
                        "validation_percent": preset["validation_percent"]},
             "eval_batches": preset["eval_batches"],
             "peak_lr": "per point (train.lr=1.0 / min_lr=0.1 below is the unit schedule)",
@@ -220,9 +224,10 @@ def point_result(variant: str, lr: float, rec, eval_loss: float, compile_s: floa
 # -- the sweep --------------------------------------------------------------------------------
 
 def run(out: str, preset_name: str = "smoke", variants=VARIANTS, lrs=None, steps=None, seed=0,
-        time_budget_s: float | None = None, report_only: bool = False, log=print) -> dict:
+        time_budget_s: float | None = None, report_only: bool = False, log=print,
+        corpus: str | None = None) -> dict:
     """Runs the missing points (within the time budget) and writes the report. Returns the
-    summary (see ``summarize``)."""
+    summary (see ``summarize``). ``corpus``: the byte corpus source (default: the preset's)."""
     t_start = time.time()
     if preset_name not in PRESETS:
         raise ValueError(f"preset: expected one of {tuple(PRESETS)}, got {preset_name!r}")
@@ -236,7 +241,10 @@ def run(out: str, preset_name: str = "smoke", variants=VARIANTS, lrs=None, steps
     bad = [v for v in variants if v not in VARIANTS]
     if bad or not variants:
         raise ValueError(f"variants: expected names from {VARIANTS}, got {list(variants)}")
-    settings = settings_of(preset_name, preset, steps, seed)
+    corpus = preset["corpus"] if corpus is None else corpus
+    if corpus not in SOURCES:
+        raise ValueError(f"corpus: expected one of {SOURCES}, got {corpus!r}")
+    settings = settings_of(preset_name, preset, steps, seed, corpus)
     os.makedirs(out, exist_ok=True)
     check_settings(out, settings)
     points = read_points(out)
@@ -244,10 +252,11 @@ def run(out: str, preset_name: str = "smoke", variants=VARIANTS, lrs=None, steps
             if point_key(v, lr) not in points]
     if todo and not report_only:
         import jax
-        corpus = build_corpus(preset["corpus"], max_bytes=preset["max_corpus_mb"] * 2**20,
+        cap = preset["max_corpus_mb"]
+        corpus = build_corpus(corpus, max_bytes=None if cap is None else cap * 2**20,
                               validation_percent=preset["validation_percent"])
         write_settings(out, settings, corpus.describe())
-        log(f"corpus: {corpus.describe()}")
+        log(f"corpus: {json.dumps(corpus.describe())}")
         log(f"device: {jax.devices()[0].device_kind} x {jax.device_count()}; "
             f"{len(todo)} points to run")
         sampler = WindowSampler(corpus.train_N, seq_len=preset["seq_len"],
@@ -359,6 +368,16 @@ def results_table(points, variants, lrs) -> list[str]:
     return loss_rows, logit_rows
 
 
+def epochs_line(settings: dict, built: dict) -> str:
+    """How many passes over the training split a point makes (``WindowSampler.epochs``)."""
+    steps, batch, seq_len = settings["steps"], settings["batch_size"], settings["seq_len"]
+    windows = built.get("train_tokens", 0) // (seq_len + 1)
+    if not windows:
+        return "Epochs: the corpus is not built yet."
+    return (f"Each point sees {steps * batch / windows:.3g} epochs of the training split "
+            f"({steps:,} x {batch} of its {windows:,} windows of {seq_len + 1} tokens).")
+
+
 def write_results(out, points, variants, lrs, settings) -> dict:
     summary = summarize(points, variants, lrs)
     loss_rows, logit_rows = results_table(points, variants, lrs)
@@ -381,11 +400,10 @@ def write_results(out, points, variants, lrs, settings) -> dict:
         f"({settings['steps'] * settings['batch_size'] * settings['seq_len'] / 1e6:.1f}M tokens) "
         f"per point, warmup {cfg['train']['warmup_steps']} steps then cosine to lr/10, seed "
         f"{settings['seed']}, the same batches in the same order for every point.",
-        f"Corpus: {settings['corpus']['source']} .py files (cap {settings['corpus']['max_mb']} MB): "
-        f"{built.get('train_files', '?')} training files, {built.get('train_tokens', 0) / 1e6:.1f}M "
-        f"byte tokens; held-out {built.get('validation_files', '?')} files "
-        f"({built.get('validation_tokens', 0) / 1e6:.2f}M tokens), of which "
-        f"{settings['eval_batches']} batches give the final loss.",
+        summary_line(built)[:-1] + ("" if settings["corpus"]["max_mb"] is None else
+                                    f" (cap {settings['corpus']['max_mb']} MB)")
+        + f"; {settings['eval_batches']} held-out batches give the final loss.",
+        epochs_line(settings, built),
         f"Diverged: non-finite loss or gradient norm (training stops), or the median of the last "
         f"{TAIL_FRACTION:.0%} of step losses > {BLOWUP_FACTOR}x the best 11-step running median. "
         f"Margin: {MARGIN_NATS} nats of the best loss.",
@@ -491,6 +509,8 @@ def main(argv=None) -> int:
                         help="comma-separated peak lrs (default: the preset's)")
     parser.add_argument("--steps", type=int, default=None, help="steps per point (default: preset's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corpus", default=None, choices=SOURCES,
+                        help="the byte corpus (experiments.byte_corpus; default: the preset's)")
     parser.add_argument("--time-budget-s", type=float, default=None,
                         help="start no point that would end after this many seconds; rerun to continue")
     parser.add_argument("--report-only", action="store_true",
@@ -503,7 +523,7 @@ def main(argv=None) -> int:
         parser.error(f"--lrs: expected comma-separated numbers, got {args.lrs!r}")
     try:
         run(args.out, "smoke" if args.smoke else args.preset, variants, lrs, args.steps,
-            args.seed, args.time_budget_s, args.report_only)
+            args.seed, args.time_budget_s, args.report_only, corpus=args.corpus)
     except ValueError as e:
         parser.error(str(e))
     return 0

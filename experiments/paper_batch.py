@@ -22,9 +22,12 @@ pace of the one before, so every variant stops at the same step (state "stopped"
 the target). results.json is rewritten after every round, so a call killed from outside still
 leaves every finished round, its variants marked "running".
 
-Data: every ``.py`` file of the standard library and the installed packages of the machine
-(``experiments.byte_corpus``, source "python"), 1% of the files held out; the results report
-the corpus size and how many epochs each variant saw.
+Data: a byte corpus of the machine's text (``experiments.byte_corpus``; the GPU preset reads
+source "offline": the standard library's and the installed packages' sources and docs and
+/usr/share/doc, each content once; ``--corpus`` picks another source), 1% of the files held
+out. The results give the corpus report (files and tokens per split, duplicates dropped) and
+each variant's tokens and epochs (passes over the training split); a call that would add
+variants trained on another corpus to OUT is refused.
 
 Outputs in OUT: ``results.json`` (settings, corpus, per-variant summary, per-step loss,
 cross-entropy and max |logit|, the held-out loss of every round, the [layer][head] max |logit|
@@ -46,7 +49,7 @@ import time
 
 import numpy as np
 
-from experiments.byte_corpus import WindowSampler, build_corpus
+from experiments.byte_corpus import SOURCES, WindowSampler, build_corpus, summary_line
 from experiments.lr_sweep import TAIL_FRACTION, blew_up
 from experiments.stability_report import count_spikes
 from experiments.runner import (VARIANTS, Program, RunRecord, data_mesh, run_steps,
@@ -59,7 +62,7 @@ REPORT_RESERVE_S = 15.0
 PACE_MARGIN = 0.97
 
 PRESETS = {
-    "gpu": {"overrides": [], "corpus": "python", "max_corpus_mb": None,
+    "gpu": {"overrides": [], "corpus": "offline", "max_corpus_mb": None,
             "validation_percent": 1, "eval_batches": 4, "eval_every": 1000,
             "time_budget_s": 560.0, "fetch_every": 10},
     "smoke": {"overrides": ["model.n_layer=1", "model.d_model=48", "model.head_dim=8",
@@ -71,11 +74,12 @@ PRESETS = {
 }
 
 
-def settings_of(preset_name: str, variants, max_steps, seed: int, corpus_mb) -> dict:
+def settings_of(preset_name: str, variants, max_steps, seed: int, corpus_mb,
+                corpus: str) -> dict:
     preset = PRESETS[preset_name]
     cfgs = {v: variant_config(v, [*preset["overrides"], f"train.seed={seed}"]) for v in VARIANTS}
     return {"preset": preset_name, "seed": seed, "max_steps": max_steps,
-            "corpus": {"source": preset["corpus"], "max_mb": corpus_mb,
+            "corpus": {"source": corpus, "max_mb": corpus_mb,
                        "validation_percent": preset["validation_percent"]},
             "eval_batches": preset["eval_batches"], "eval_every": preset["eval_every"],
             "configs": {v: c.to_dict() for v, c in cfgs.items()}}
@@ -131,6 +135,22 @@ def next_round(done: int, target: int, eval_every: int, seconds_left: float | No
     return max(0, n)
 
 
+CORPUS_IDENTITY = ("source", "train_tokens", "validation_tokens", "train_files")
+
+
+def check_same_corpus(out: str, results: dict, built: dict) -> None:
+    """Refuses to add variants to ``results`` whose kept variants trained on another corpus
+    (another machine's packages, or a corpus of an earlier rule)."""
+    old = results.get("corpus")
+    if not old or not results["variants"]:
+        return
+    was = {k: old.get(k) for k in CORPUS_IDENTITY}
+    now = {k: built.get(k) for k in CORPUS_IDENTITY}
+    if was != now:
+        raise ValueError(f"out: {out} holds variants trained on another corpus ({was}); this "
+                         f"machine builds {now}. Use a new --out")
+
+
 def variants_to_run(results: dict, variants) -> list[str]:
     """The variants of ``variants`` that ``results`` lacks or holds only as the snapshot of a
     call that did not end (state "running"; there is no state to resume from, so they rerun)."""
@@ -139,7 +159,7 @@ def variants_to_run(results: dict, variants) -> list[str]:
 
 def run(out: str, preset_name: str = "smoke", variants=("ls", "mhsa"), *,
         time_budget_s: float | None = None, max_steps: int | None = None, seed: int = 0,
-        corpus_mb: int | None = None, log=print) -> dict:
+        corpus_mb: int | None = None, corpus: str | None = None, log=print) -> dict:
     """Trains ``variants`` in rounds (each round: every variant ``eval_every`` steps on the same
     batches, then its held-out loss), so that they all stop at the same step; a time budget
     (from this call's start to its written report) cuts the last round to what fits."""
@@ -161,7 +181,10 @@ def run(out: str, preset_name: str = "smoke", variants=("ls", "mhsa"), *,
                          f"report needs, got {time_budget_s}")
     if corpus_mb is None:
         corpus_mb = preset["max_corpus_mb"]
-    settings = settings_of(preset_name, variants, max_steps, seed, corpus_mb)
+    source = preset["corpus"] if corpus is None else corpus
+    if source not in SOURCES:
+        raise ValueError(f"corpus: expected one of {SOURCES}, got {source!r}")
+    settings = settings_of(preset_name, variants, max_steps, seed, corpus_mb, source)
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "results.json")
     results = {"settings": settings, "variants": {}, "series": {}}
@@ -177,15 +200,16 @@ def run(out: str, preset_name: str = "smoke", variants=("ls", "mhsa"), *,
         for v in todo:
             results["variants"].pop(v, None)
             results["series"].pop(v, None)
-        corpus = build_corpus(preset["corpus"], validation_percent=preset["validation_percent"],
+        corpus = build_corpus(source, validation_percent=preset["validation_percent"],
                               max_bytes=None if corpus_mb is None else corpus_mb * 2**20)
+        check_same_corpus(out, results, corpus.describe())
         results["corpus"] = corpus.describe()
         mesh = data_mesh()
         results["device"] = {"kind": jax.devices()[0].device_kind, "count": jax.device_count(),
                              "platform": jax.default_backend()}
         results["attention_path"] = ("per shard (kernels/sharded.py)" if sharded_attention_available()
                                      else "gathered: every device runs the kernel on the whole batch")
-        log(f"corpus: {corpus.describe()}")
+        log(f"corpus: {json.dumps(corpus.describe())}")
         log(f"devices: {results['device']}; attention {results['attention_path']}")
         _train_together(results, todo, preset, corpus, mesh, seed, max_steps, deadline, path, log)
     write_report(out, results)
@@ -305,12 +329,7 @@ def write_report(out: str, results: dict) -> None:
         f"{t['batch_size'] * cfg['data']['seq_len']:,} tokens per step; AdamW lr {t['lr']}, "
         f"warmup {t['warmup_steps']}, cosine to {t['min_lr']} at step {t['num_steps']} "
         f"(cut short by the step cap or the time budget); seed {t['seed']}.",
-        f"Corpus: {corpus.get('train_files', '?')} .py files of "
-        f"{'the standard library' if corpus.get('source') == 'stdlib' else 'the standard library and the installed packages'}"
-        f", {corpus.get('train_tokens', 0) / 1e6:.1f}M byte tokens; "
-        f"held out: {corpus.get('validation_files', '?')} files "
-        f"({corpus.get('validation_tokens', 0) / 1e6:.2f}M tokens), "
-        f"{settings['eval_batches']} batches for the held-out loss"
+        summary_line(corpus)[:-1] + f"; {settings['eval_batches']} batches for the held-out loss"
         + (f", measured every {settings['eval_every']} steps and at the end."
            if "eval_every" in settings else ", measured at the end."),
         "State: finished (all target steps), stopped (time: the variants of one call stop at the "
@@ -415,6 +434,8 @@ def main(argv=None) -> int:
                              "(preset: 560 on GPU, none on CPU)")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop every variant after this many steps (the schedule is unchanged)")
+    parser.add_argument("--corpus", default=None, choices=SOURCES,
+                        help="the byte corpus (experiments.byte_corpus; default: the preset's)")
     parser.add_argument("--corpus-mb", type=int, default=None,
                         help="cap the corpus at this many MB (default: the whole preset corpus)")
     parser.add_argument("--seed", type=int, default=0)
@@ -429,7 +450,7 @@ def main(argv=None) -> int:
             return 0
         run(args.out, "smoke" if args.smoke else args.preset, variants,
             time_budget_s=args.time_budget_s, max_steps=args.max_steps,
-            seed=args.seed, corpus_mb=args.corpus_mb)
+            seed=args.seed, corpus_mb=args.corpus_mb, corpus=args.corpus)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     return 0

@@ -1,16 +1,19 @@
-"""Short training runs for the stability experiments: one compiled program per config, the peak
-learning rate a runtime input, data from a ``WindowSampler``, data-parallel over a mesh.
+"""Short training runs for the stability experiments through the library's train step: one
+compiled program per config, the peak learning rate a runtime value, data from a
+``WindowSampler``, data-parallel over all devices.
 
 Why not ``ls_jax.train.train``: the experiments run on a GPU image without grain or
-tensorboardX, and a learning-rate sweep must not compile once per point. The step here is the
-library's: the model (``ls_jax.model.Transformer``), the loss (``ls_jax.loss.lm_loss``) and the
-optimizer (``ls_jax.optimizer.make_optimizer``), built with a unit peak learning rate
-(lr = 1, min_lr = min_lr / lr) and its update multiplied by the peak lr passed at run time.
-AdamW's update is linear in the learning rate (the decoupled weight decay is scaled by it too),
-so this is the library's update up to float rounding; a CPU test checks it against
-``ls_jax.train.make_train_step``. Every step asks the attention kernel for its logit
-statistics (``ls_jax.train`` does so only on logged steps): the per-step max |logit| is what
-these experiments record. No checkpoints, no TensorBoard: the runs are minutes long.
+tensorboardX, and a learning-rate sweep must not compile once per point. The step is
+``ls_jax.step``'s (``compile_train_fns``: the model, the loss, the shardings and the donated
+state of a training run; it needs no grain), with the statistics on every step: the per-step
+max |logit| is what these experiments record (``ls_jax.train`` asks for them only on logged
+steps). The optimizer is the library's (``ls_jax.optimizer.make_optimizer``) built with a unit
+peak learning rate (lr = 1, min_lr = min_lr / lr) and followed by a multiplication of its
+update by the peak lr, a value of the optimizer state (``with_peak_lr``) and not of the
+compiled program. AdamW's update is linear in the learning rate (the decoupled weight decay is
+scaled by it too), so this is the library's update up to float rounding; tests/test_step.py
+checks it against ``compile_train_fns`` with the library's own optimizer. No checkpoints, no
+TensorBoard: the runs are minutes long.
 
 Variants are the paper's configs (``ls_jax.configs``: paper, paper_mhsa, paper_qknorm,
 paper_zloss) with byte tokens (vocab 256) and the experiment's overrides.
@@ -21,25 +24,23 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ls_jax.config import Config
+from ls_jax import sharding as sharding_lib
+from ls_jax.config import Config, MeshConfig
 from ls_jax.configs import get_config
 from ls_jax.loss import lm_loss
-from ls_jax.model import Transformer
-from ls_jax.optimizer import learning_rate_schedule, make_optimizer
-from ls_jax.state import init_key
+from ls_jax.optimizer import make_optimizer
+from ls_jax.state import MODEL_KEY, init_key
+from ls_jax.step import check_batch_split, compile_train_fns
 
 from experiments.variants import VARIANTS, config_name
-
-BATCH_AXIS = "data"
 
 
 def variant_config(variant: str, overrides=()) -> Config:
@@ -52,10 +53,9 @@ def variant_config(variant: str, overrides=()) -> Config:
 
 
 def data_mesh(devices=None) -> jax.sharding.Mesh:
-    """All (or the given) devices on one batch axis."""
-    devices = jax.devices() if devices is None else devices
-    return jax.make_mesh((len(devices),), (BATCH_AXIS,), devices=devices,
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    """The library's mesh over all (or the given) devices with the default axes: every device
+    on the data axis (the batch split over them, the parameters replicated)."""
+    return sharding_lib.make_mesh(MeshConfig(), devices)
 
 
 def sharded_attention_available() -> bool:
@@ -67,65 +67,54 @@ def sharded_attention_available() -> bool:
     return True
 
 
+class PeakLrState(NamedTuple):
+    peak_lr: jax.Array  # float32 scalar
+
+
+def times_peak_lr() -> optax.GradientTransformation:
+    """Multiplies the updates by the ``peak_lr`` its state holds (1 after init)."""
+
+    def init(params):
+        return PeakLrState(jnp.ones((), jnp.float32))
+
+    def update(updates, state, params=None):
+        return jax.tree.map(lambda u: u * state.peak_lr.astype(u.dtype), updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
+def unit_lr_config(cfg: Config) -> Config:
+    """``cfg`` with the peak lr 1 (its schedule's shape unchanged: min_lr / lr kept)."""
+    t = cfg.train
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, lr=1.0, min_lr=t.min_lr / t.lr))
+
+
 class Program:
     """The compiled init / step / eval of one config on one mesh.
 
-    ``step(state, batch_u8_BxT1, peak_lr) -> (state, metrics)``; the same compiled step serves
-    every peak lr. ``batch`` is uint8 [B, T + 1] (inputs = [:, :-1], targets = [:, 1:]).
+    ``step(state, batch_u8_BxT1) -> (state, metrics)`` is ``ls_jax.step``'s step with the
+    statistics; the same compiled step serves every peak lr, which ``with_peak_lr`` puts in
+    the state. ``batch`` is uint8 [B, T + 1] (inputs = [:, :-1], targets = [:, 1:]).
     """
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
-        if cfg.train.grad_accum_steps != 1:
-            raise ValueError(f"train.grad_accum_steps: expected 1 here, got {cfg.train.grad_accum_steps}")
-        if cfg.train.batch_size % mesh.size:
-            raise ValueError(f"train.batch_size: expected a multiple of the {mesh.size} devices, "
-                             f"got {cfg.train.batch_size}")
+        check_batch_split(cfg.train, mesh)
         self.cfg, self.mesh = cfg, mesh
-        t = cfg.train
-        unit = dataclasses.replace(t, lr=1.0, min_lr=t.min_lr / t.lr)
-        self.tx = make_optimizer(unit)
-        self.unit_schedule = learning_rate_schedule(unit)
-        self.graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(
-            cfg.model, rngs=nnx.Rngs(params=0))), nnx.Param, ...)[0]
-        self.replicated = NamedSharding(mesh, P())
-        self.batch_sharding = NamedSharding(mesh, P(BATCH_AXIS))
+        self.unit_cfg = unit_lr_config(cfg)
+        self.fns = compile_train_fns(self.unit_cfg, mesh, tx=optax.chain(
+            make_optimizer(self.unit_cfg.train), times_peak_lr()))
+        self.replicated = sharding_lib.replicated(mesh)
+        self.batch_sharding = sharding_lib.batch_sharding(mesh)
+        paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_leaves_with_path(self.fns.abstract)]
+        (self._peak_index,) = [i for i, p in enumerate(paths) if "'peak_lr'" in p]
+        (self._step_index,) = [i for i, p in enumerate(paths) if p.startswith("[1]['step']")]
         self.compile_seconds = None
         self._init = self._step = self._eval = None
 
-    def _init_fn(self, key):
-        # the key is an argument: a traced constant seed makes XLA constant-fold the whole
-        # initialisation at compile time (ls_jax.state.create_model_and_optimizer)
-        model = Transformer(self.cfg.model, rngs=nnx.Rngs(params=key))
-        _, params, rest = nnx.split(model, nnx.Param, ...)
-        return {"params": params, "rest": rest, "opt": self.tx.init(params),
-                "step": jnp.zeros((), jnp.int32)}
-
-    def _split_batch(self, batch_BxT1):
-        tokens_BxT1 = batch_BxT1.astype(jnp.int32)
-        return tokens_BxT1[:, :-1], tokens_BxT1[:, 1:]
-
-    def _step_fn(self, state, batch_BxT1, peak_lr):
-        inputs_BxT, targets_BxT = self._split_batch(batch_BxT1)
-
-        def loss_fn(params):
-            model = nnx.merge(self.graphdef, params, state["rest"])
-            logits_BxTxV, stats = model(inputs_BxT, return_stats=True)
-            loss, parts = lm_loss(logits_BxTxV, targets_BxT, z_loss=self.cfg.train.z_loss)
-            return loss, (parts, stats)
-
-        (loss, (parts, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-        updates, opt = self.tx.update(grads, state["opt"], state["params"])
-        updates = jax.tree.map(lambda u: u * peak_lr.astype(u.dtype), updates)
-        params = optax.apply_updates(state["params"], updates)
-        metrics = {"loss": loss, "ce": parts["ce"], "grad_norm": optax.tree.norm(grads),
-                   "lr": peak_lr * self.unit_schedule(state["step"]), **stats}
-        new = {"params": params, "rest": state["rest"], "opt": opt, "step": state["step"] + 1}
-        return new, metrics
-
-    def _eval_fn(self, state, batch_BxT1):
-        inputs_BxT, targets_BxT = self._split_batch(batch_BxT1)
-        model = nnx.merge(self.graphdef, state["params"], state["rest"])
-        _, parts = lm_loss(model(inputs_BxT), targets_BxT)
+    def _eval_fn(self, state, batch):
+        model = nnx.merge(self.fns.graphdef, state)[MODEL_KEY]
+        _, parts = lm_loss(model(batch["inputs"]), batch["targets"])
         return parts["ce"]
 
     def compile(self) -> float:
@@ -133,40 +122,45 @@ class Program:
         t0 = time.time()
         B, T = self.cfg.train.batch_size, self.cfg.data.seq_len
         with jax.set_mesh(self.mesh):
-            init = jax.jit(self._init_fn, out_shardings=self.replicated)
             key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=self.replicated)
-            abstract = jax.eval_shape(self._init_fn, key)
-            abstract = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated), abstract)
-            batch = jax.ShapeDtypeStruct((B, T + 1), jnp.uint8, sharding=self.batch_sharding)
-            lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated)
-            step = jax.jit(self._step_fn, in_shardings=(self.replicated, self.batch_sharding,
-                                                        self.replicated),
-                           out_shardings=(self.replicated, self.replicated), donate_argnums=0)
-            evaluate = jax.jit(self._eval_fn, in_shardings=(self.replicated, self.batch_sharding),
-                               out_shardings=self.replicated)
-            self._init = init.lower(key).compile()
-            self._step = step.lower(abstract, batch, lr).compile()
-            self._eval = evaluate.lower(abstract, batch).compile()
+            state = sharding_lib.with_shardings(self.fns.abstract, self.fns.state_sharding)
+            batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=self.batch_sharding)
+                     for k in ("inputs", "targets")}
+            evaluate = jax.jit(self._eval_fn, out_shardings=self.replicated)
+            self._init = self.fns.init.lower(key).compile()
+            self._step = self.fns.steps[True].lower(state, batch).compile()
+            self._eval = evaluate.lower(state, batch).compile()
         self.compile_seconds = time.time() - t0
         return self.compile_seconds
 
-    def init(self):
+    def init(self, peak_lr: float | None = None):
+        """A fresh state (``cfg.train.seed``), with ``peak_lr`` (default ``cfg.train.lr``)."""
         if self._init is None:
             self.compile()
-        return self._init(jax.device_put(init_key(self.cfg), self.replicated))
+        state = self._init(jax.device_put(init_key(self.cfg), self.replicated))
+        return self.with_peak_lr(state, self.cfg.train.lr if peak_lr is None else peak_lr)
 
-    def put_batch(self, batch_BxT1: np.ndarray) -> jax.Array:
-        return jax.device_put(np.ascontiguousarray(batch_BxT1), self.batch_sharding)
+    def with_peak_lr(self, state, peak_lr: float):
+        """``state`` with the peak lr its updates are multiplied by."""
+        leaves, treedef = jax.tree.flatten(state)
+        leaves[self._peak_index] = jax.device_put(np.float32(peak_lr), self.replicated)
+        return jax.tree.unflatten(treedef, leaves)
 
-    def put_lr(self, peak_lr: float) -> jax.Array:
-        return jax.device_put(np.float32(peak_lr), self.replicated)
+    def peak_lr(self, state) -> float:
+        return float(jax.tree.leaves(state)[self._peak_index])
 
-    def step(self, state, batch_BxT1: np.ndarray, peak_lr):
-        """One step; ``peak_lr`` a float or the array of ``put_lr``."""
-        if not isinstance(peak_lr, jax.Array):
-            peak_lr = self.put_lr(peak_lr)
-        return self._step(state, self.put_batch(batch_BxT1), peak_lr)
+    def steps_done(self, state) -> int:
+        """The optimizer's step count (the steps ``state`` has taken)."""
+        return int(jax.tree.leaves(state)[self._step_index])
+
+    def put_batch(self, batch_BxT1: np.ndarray) -> dict:
+        tokens_BxT1 = np.asarray(batch_BxT1, np.int32)
+        return sharding_lib.global_batch({"inputs": tokens_BxT1[:, :-1],
+                                          "targets": tokens_BxT1[:, 1:]}, self.batch_sharding)
+
+    def step(self, state, batch_BxT1: np.ndarray):
+        """One step; the metrics' "lr" is the unit schedule's (times the peak lr: the lr)."""
+        return self._step(state, self.put_batch(batch_BxT1))
 
     def evaluate(self, state, batches: list[np.ndarray]) -> float:
         """Mean cross-entropy (nats/token) over ``batches``."""
@@ -219,7 +213,8 @@ def run_steps(program: Program, state, sampler, peak_lr: float, num_steps: int, 
     rec = RunRecord()
     tokens_per_step = program.cfg.train.batch_size * program.cfg.data.seq_len
     pending: list = []
-    start = int(jax.device_get(state["step"]))
+    state = program.with_peak_lr(state, peak_lr)
+    start = program.steps_done(state)
     t0 = time.perf_counter()
 
     def drain() -> bool:
@@ -230,7 +225,7 @@ def run_steps(program: Program, state, sampler, peak_lr: float, num_steps: int, 
             rec.loss.append(float(m["loss"]))
             rec.ce.append(float(m["ce"]))
             rec.grad_norm.append(float(m["grad_norm"]))
-            rec.lr.append(float(m["lr"]))
+            rec.lr.append(float(m["lr"]) * peak_lr)  # the unit schedule's, times the peak
             table = np.asarray(m["attn_max_abs_logit"], np.float64)
             rec.max_abs_logit.append(float(table.max()))
             rec.lm_head_max_abs_logit.append(float(m["lm_head_max_abs_logit"]))
@@ -248,9 +243,8 @@ def run_steps(program: Program, state, sampler, peak_lr: float, num_steps: int, 
 
     with jax.set_mesh(program.mesh):
         rec.state = "finished"
-        lr = program.put_lr(peak_lr)
         for step in range(start + 1, start + num_steps + 1):
-            state, metrics = program.step(state, sampler.batch(step - 1), lr)
+            state, metrics = program.step(state, sampler.batch(step - 1))
             pending.append((step, metrics))
             if step % fetch_every == 0 or step == start + num_steps:
                 if not drain():

@@ -1,7 +1,7 @@
 """Compile a run's steps for a TPU slice without a TPU: does a config fit, before renting it?
 
 ``python train.py --config paper --compile-only v5e:2x4 [section.key=value ...]`` builds the
-train step of ``ls_jax/train.py`` (``compile_train_fns``: the model, optimizer, shardings and
+train step of ``ls_jax/step.py`` (``compile_train_fns``: the model, optimizer, shardings and
 donation of a real run) and the evaluation step of ``ls_jax/evaluate.py`` on the mesh the
 config asks for, over the devices of a TPU topology description (libtpu, the ``jax[tpu]``
 extra, compiles for v4/v5e/v5p/v6e topologies on any host), and compiles them with the TPU
@@ -212,7 +212,7 @@ def compile_steps(cfg: Config, topology: str, *, programs: tuple[str, ...] = PRO
     for a bad topology, program name or batch split."""
     from ls_jax.evaluate import _eval_fn  # the [train] extra's packages, imported when used
     from ls_jax.state import MODEL_KEY
-    from ls_jax.train import check_batch_split, compile_train_fns
+    from ls_jax.step import check_batch_split, compile_train_fns
 
     unknown = [p for p in programs if p not in PROGRAMS]
     if unknown or not programs:

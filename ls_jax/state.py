@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import optax
 from flax import nnx
 
 from ls_jax import sharding as sharding_lib
@@ -16,8 +17,10 @@ from ls_jax.rundir import RunDir
 
 
 def create_model_and_optimizer(cfg: Config, *, seed: int | None = None,
-                               key: jax.Array | None = None):
-    """A freshly initialised (Transformer, nnx.Optimizer) pair.
+                               key: jax.Array | None = None,
+                               tx: optax.GradientTransformation | None = None):
+    """A freshly initialised (Transformer, nnx.Optimizer) pair; the optimizer's transformation
+    is ``tx``, by default ``make_optimizer(cfg.train)``.
 
     ``key`` (a PRNG key array) replaces ``seed`` (default ``cfg.train.seed``); the same seed
     gives the same parameters either way. Under ``jax.jit`` pass the key as an argument
@@ -29,7 +32,8 @@ def create_model_and_optimizer(cfg: Config, *, seed: int | None = None,
     if key is None:
         key = init_key(cfg, seed)
     model = Transformer(cfg.model, rngs=nnx.Rngs(params=key))
-    optimizer = nnx.Optimizer(model, make_optimizer(cfg.train), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, make_optimizer(cfg.train) if tx is None else tx,
+                              wrt=nnx.Param)
     return model, optimizer
 
 
@@ -38,13 +42,14 @@ def init_key(cfg: Config, seed: int | None = None) -> jax.Array:
     return jax.random.key(cfg.train.seed if seed is None else seed)
 
 
-def abstract_train_state(cfg: Config):
-    """(graphdef, abstract state) of (model, optimizer) without allocating parameters.
+def abstract_train_state(cfg: Config, *, tx: optax.GradientTransformation | None = None):
+    """(graphdef, abstract state) of (model, optimizer) without allocating parameters (``tx``:
+    as in ``create_model_and_optimizer``).
 
     Built outside any mesh: the parameters' logical axis names stay metadata (ls_jax/sharding.py
     maps them to mesh axes) instead of becoming shardings of the abstract values."""
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-        return nnx.split(nnx.eval_shape(lambda: create_model_and_optimizer(cfg)))
+        return nnx.split(nnx.eval_shape(lambda: create_model_and_optimizer(cfg, tx=tx)))
 
 
 # A checkpoint holds nnx.state((model, optimizer)): the model's part is under this key.

@@ -4,7 +4,7 @@ evaluation, orbax checkpoints, automatic resume, SIGTERM handling and NaN stops.
 ``train(cfg, workdir)`` is what ``train.py`` runs; tests call it directly. It reads as its
 steps: check the config, claim the run directory, restore or initialise the state, run the
 step loop (each step's metrics checked and logged, checkpoints saved, periodic evals), commit
-the last checkpoint, and a final eval.
+the last checkpoint, and a final eval. The step and its jitted functions are ``ls_jax.step``'s.
 
 SIGTERM and SIGINT (Ctrl-C) ask for a stop throughout (``_Stopper``): during start-up the run
 stops before its first step, in the loop after the current step (saved first), in the final
@@ -24,8 +24,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from ls_jax import data as data_lib
@@ -33,18 +31,14 @@ from ls_jax import sharding as sharding_lib
 from ls_jax.checkpoint import Checkpointer, DataLayout
 from ls_jax.config import Config
 from ls_jax.evaluate import evaluate_model
-from ls_jax.loss import lm_loss
 from ls_jax.metrics import MetricsWriter, logit_norm_summary
 from ls_jax.model import count_params
-from ls_jax.optimizer import learning_rate_schedule
 from ls_jax.profiler import StepProfiler
 from ls_jax.rundir import RunDir
 from ls_jax.sources import load_split
-from ls_jax.state import abstract_train_state, create_model_and_optimizer, init_key
+from ls_jax.state import init_key
+from ls_jax.step import STATS_KEYS, TrainFns, check_batch_split, compile_train_fns
 from ls_jax.tokenizer import make_tokenizer
-
-STATS_KEYS = ("attn_max_abs_logit", "lm_head_max_abs_logit")
-
 
 class TrainingDiverged(RuntimeError):
     """Raised when a step produced a non-finite loss or gradient norm."""
@@ -68,58 +62,6 @@ class TrainResult:
     eval_metrics: dict[str, Any] | None
     interrupted: bool = False
     stop: str | None = None  # when interrupted: the line that said why and what is saved
-
-
-# -- the step ---------------------------------------------------------------------------------
-
-def make_train_step(graphdef, cfg: Config, *, with_stats: bool) -> Callable:
-    """(state, batch) -> (state, metrics); pure, for jax.jit with the state donated.
-
-    with_stats: also return the logit-norm statistics (``Transformer(return_stats=True)``);
-    the loop asks for them on the steps it logs, so the other steps run the plain kernel.
-    """
-    accum = cfg.train.grad_accum_steps
-    schedule = learning_rate_schedule(cfg.train)
-
-    def loss_fn(model, inputs_BxT, targets_BxT):
-        if with_stats:
-            logits_BxTxV, stats = model(inputs_BxT, return_stats=True)
-        else:
-            logits_BxTxV, stats = model(inputs_BxT), {}
-        loss, parts = lm_loss(logits_BxTxV, targets_BxT, z_loss=cfg.train.z_loss)
-        return loss, (parts, stats)
-
-    def train_step(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
-        model_def, params, rest = nnx.split(model, nnx.Param, ...)
-
-        def params_loss(params, inputs_BxT, targets_BxT):
-            return loss_fn(nnx.merge(model_def, params, rest), inputs_BxT, targets_BxT)
-
-        grad_fn = jax.value_and_grad(params_loss, has_aux=True)
-        if accum == 1:
-            (loss, (parts, stats)), grads = grad_fn(params, batch["inputs"], batch["targets"])
-        else:  # micro-batches in sequence, gradients summed in float32
-            micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]),
-                                 batch)
-
-            def body(carry, mb):
-                (loss, (parts, stats)), grads = grad_fn(params, mb["inputs"], mb["targets"])
-                return jax.tree.map(jnp.add, carry, (loss, parts, grads)), stats
-
-            zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), {"ce": jnp.float32(0),
-                                                                   "z": jnp.float32(0)}, params))
-            (loss, parts, grads), stats = jax.lax.scan(body, zeros, micro)
-            loss, parts, grads = jax.tree.map(lambda x: x / accum, (loss, parts, grads))
-            stats = jax.tree.map(lambda x: jnp.max(x, axis=0), stats)
-        grad_norm = optax.tree.norm(grads)
-        lr = schedule(optimizer.step[...])
-        optimizer.update(model, grads)
-        metrics = {"loss": loss, "ce": parts["ce"], "z": parts["z"], "grad_norm": grad_norm,
-                   "lr": lr, **stats}
-        return nnx.state((model, optimizer)), metrics
-
-    return train_step
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -237,18 +179,6 @@ def check_train_config(cfg: Config, mesh: jax.sharding.Mesh) -> None:
                          f"({tokenizer.vocab_size} for {cfg.data.tokenizer!r}), got {cfg.model.vocab_size}")
 
 
-def check_batch_split(tcfg, mesh: jax.sharding.Mesh) -> None:
-    """The global batch, and each micro-batch, split over the mesh's data x fsdp devices."""
-    n_batch = sharding_lib.batch_divisor(mesh)  # the batch splits over data x fsdp
-    if tcfg.batch_size % n_batch:
-        raise ValueError(f"train.batch_size: expected a multiple of {n_batch} (mesh data x fsdp "
-                         f"of {dict(mesh.shape)}), got {tcfg.batch_size}")
-    if (tcfg.batch_size // tcfg.grad_accum_steps) % n_batch:
-        raise ValueError(f"train.grad_accum_steps: each micro-batch (batch_size / grad_accum_steps"
-                         f" = {tcfg.batch_size // tcfg.grad_accum_steps}) must split over "
-                         f"{n_batch} devices (mesh data x fsdp)")
-
-
 def _check_eval_split(cfg: Config) -> None:
     """The eval split gives at least one batch (the train split is checked when its pipeline is
     built), so a run does not fail at its final eval after all its steps."""
@@ -285,33 +215,6 @@ class _TrainData:
     def close(self) -> None:
         if hasattr(self.iterator, "close"):  # stop grain's prefetch threads
             self.iterator.close()
-
-
-@dataclasses.dataclass
-class TrainFns:
-    """The jitted functions of a run on a mesh, and where its state lives."""
-    graphdef: Any
-    abstract: Any  # abstract nnx.State of (model, optimizer)
-    state_sharding: Any  # the same tree with a NamedSharding per variable
-    init: Callable  # (key) -> state; key = ls_jax.state.init_key(cfg)
-    steps: dict[bool, Callable]  # with_stats -> (state, global batch) -> (state, metrics)
-
-
-def compile_train_fns(cfg: Config, mesh: jax.sharding.Mesh) -> TrainFns:
-    """Parameters and optimizer moments split over fsdp (and tensor) by their logical axes,
-    the batch over data x fsdp, the metrics replicated; the state donated to each step. Each
-    function compiles on first use."""
-    graphdef, abstract = abstract_train_state(cfg)
-    state_sharding = sharding_lib.state_shardings(abstract, mesh)
-    # the key is an argument, never a traced constant (create_model_and_optimizer says why)
-    init = jax.jit(lambda key: nnx.state(create_model_and_optimizer(cfg, key=key)),
-                   out_shardings=state_sharding)
-    steps = {with_stats: jax.jit(make_train_step(graphdef, cfg, with_stats=with_stats),
-                                 in_shardings=(state_sharding, sharding_lib.batch_sharding(mesh)),
-                                 out_shardings=(state_sharding, sharding_lib.replicated(mesh)),
-                                 donate_argnums=0)
-             for with_stats in (False, True)}
-    return TrainFns(graphdef, abstract, state_sharding, init, steps)
 
 
 def _restore_or_init(cfg: Config, mesh, fns: TrainFns, ckpt: Checkpointer, log):

@@ -92,7 +92,7 @@ def _batches(n_steps: int, batch: int, seq_len: int):
 
 
 def case_train(impl: str, meshes: str):
-    """Losses of 3 steps of the run's jitted step (ls_jax.train.compile_train_fns) on each mesh
+    """Losses of 3 steps of the run's jitted step (ls_jax.step.compile_train_fns) on each mesh
     ("DxFxT"); on the last mesh also the shardings of params, optimizer state and batch, and
     the all-gathers of activations in the compiled step."""
     from flax import nnx
@@ -100,7 +100,7 @@ def case_train(impl: str, meshes: str):
     from ls_jax import sharding as sharding_lib
     from ls_jax.kernels.sharded import qkv_gathers
     from ls_jax.state import init_key
-    from ls_jax.train import compile_train_fns
+    from ls_jax.step import compile_train_fns
     extra = [f"model.attn_implementation={impl}"]
     if impl.startswith("pallas"):  # the model's kernel calls in Pallas interpret mode (CPU)
         from ls_jax import attention
@@ -153,7 +153,8 @@ def case_restore(workdir: str, stop_after: str):
     restored from the checkpoint it resumed from."""
     from ls_jax import sharding as sharding_lib
     from ls_jax.checkpoint import Checkpointer
-    from ls_jax.train import compile_train_fns, train
+    from ls_jax.step import compile_train_fns
+    from ls_jax.train import train
     cfg = micro("train.num_steps=4")
     ckpt = Checkpointer(workdir)
     start = ckpt.latest_step()

@@ -1,5 +1,6 @@
-"""Issue 14's experiments: the byte corpus, the compiled-once runner (against the library's
-training step), the learning-rate sweep (CPU smoke) and the paper-batch run on 4 fake devices."""
+"""Issue 14's experiments: the variants, the learning-rate sweep (CPU smoke) and the paper-batch
+run on 4 fake devices without the packages the GPU image lacks. The byte corpus is
+tests/test_byte_corpus.py's, the runner against the library's step tests/test_step.py's."""
 
 import json
 import math
@@ -8,86 +9,13 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 
 from experiments import lr_sweep, runner
-from experiments.byte_corpus import WindowSampler, build_corpus
 
-TINY = ["model.n_layer=1", "model.d_model=48", "model.head_dim=8", "model.window=8",
-        "model.max_seq_len=32", "data.seq_len=32",
-        "model.compute_dtype=float32", "train.batch_size=4", "train.num_steps=6",
-        "train.warmup_steps=2", "train.lr=0.02", "train.min_lr=0.002"]
+from tests.test_step import BLOCK
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def test_window_sampler_is_a_seeded_permutation_per_epoch():
-    tokens_N = np.arange(30, dtype=np.uint8)  # 10 windows of 3 tokens (T = 2)
-    s = WindowSampler(tokens_N, seq_len=2, batch_size=4, seed=7)
-    assert s.n_windows == 10
-    rows = np.concatenate([s.batch(i) for i in range(5)])  # 20 windows = two epochs
-    starts = rows[:, 0] // 3
-    assert sorted(starts[:10]) == list(range(10)) and sorted(starts[10:]) == list(range(10))
-    assert list(starts[:10]) != list(starts[10:])  # a new order in the second epoch
-    assert np.array_equal(rows[:, 1], rows[:, 0] + 1)  # contiguous windows
-    again = WindowSampler(tokens_N, seq_len=2, batch_size=4, seed=7)
-    assert np.array_equal(again.batch(3), s.batch(3))  # depends only on the step
-    assert s.epochs(5) == 2.0
-    assert [b[:, 0].tolist() for b in s.fixed_batches(5)] == [[0, 3, 6, 9], [12, 15, 18, 21]]
-    with pytest.raises(ValueError, match="tokens: expected at least batch_size=4 windows"):
-        WindowSampler(tokens_N[:8], seq_len=2, batch_size=4, seed=0)
-
-
-def test_build_corpus_caps_splits_and_ends_documents():
-    c = build_corpus("stdlib", max_bytes=300_000, validation_percent=10)
-    assert 0 < c.train_N.size and 0 < c.validation_N.size and c.skipped_files == 0
-    assert c.train_N.dtype == np.uint8 and c.train_N[-1] == 0  # EOS after each file
-    assert int((c.train_N == 0).sum()) == c.train_files
-    assert int((c.validation_N == 0).sum()) == c.validation_files
-    # the cap stops at the first file past it: at most one file more than 300 KB
-    assert 300_000 <= c.train_N.size + c.validation_N.size < 300_000 + 2_000_000
-    with pytest.raises(ValueError, match="source: expected one of"):
-        build_corpus("pg19")
-
-
-def test_program_step_matches_the_library_train_step():
-    """The runner's update (unit schedule x peak lr at run time) against ls_jax.train's."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from ls_jax.state import create_model_and_optimizer
-    from ls_jax.train import make_train_step
-
-    cfg = runner.variant_config("ls", TINY)
-    rng = np.random.default_rng(0)
-    batches = [rng.integers(1, 256, (4, 33), dtype=np.uint8)] * 4  # one batch: loss must fall
-
-    model, optimizer = create_model_and_optimizer(cfg)
-    graphdef, state = nnx.split((model, optimizer))
-    lib_step = jax.jit(make_train_step(graphdef, cfg, with_stats=True))
-    lib_losses = []
-    for b in batches:
-        b = b.astype(np.int32)
-        state, m = lib_step(state, {"inputs": jnp.asarray(b[:, :-1]), "targets": jnp.asarray(b[:, 1:])})
-        lib_losses.append(float(m["loss"]))
-    lib_params = nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)
-
-    program = runner.Program(cfg, runner.data_mesh(jax.devices()[:1]))
-    st = program.init()
-    losses = []
-    with jax.set_mesh(program.mesh):
-        for b in batches:
-            st, m = program.step(st, b, cfg.train.lr)
-            losses.append(float(m["loss"]))
-    np.testing.assert_allclose(losses, lib_losses, rtol=2e-5)
-    # per parameter, relative to its norm: Adam turns float-rounding differences in a ~0
-    # gradient into a sign flip of one element's update, so elementwise checks are brittle.
-    # A wrong weight decay or lr scale moves the parameters by > 5e-3 of their norm here.
-    for a, b in zip(jax.tree.leaves(st["params"]), jax.tree.leaves(lib_params)):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert np.linalg.norm(a - b) <= 5e-4 * np.linalg.norm(b), (a.shape, np.abs(a - b).max())
-    assert lib_losses[-1] < lib_losses[0]  # it trains at all
 
 
 def test_variant_configs_are_the_paper_configs_with_bytes():
@@ -131,6 +59,7 @@ def test_sweep_smoke_counts_divergence_resumes_and_refuses_other_settings(tmp_pa
         assert summary[v]["diverged"] == 1 and summary[v]["best_lr"] == 0.01
     table = open(os.path.join(out, "results.md")).read()
     assert "| ls | **" in table and "diverged" in table
+    assert "duplicate files" in table and "epochs of the training split" in table
     assert os.path.getsize(os.path.join(out, "lr_sweep.png")) > 10_000
     saved = json.load(open(os.path.join(out, "results.json")))
     assert saved["summary"]["mhsa"]["points_run"] == 2
@@ -142,11 +71,27 @@ def test_sweep_smoke_counts_divergence_resumes_and_refuses_other_settings(tmp_pa
         lr_sweep.run(out, "smoke", variants=("ls",), lrs=[1e-2], steps=5, **quiet)
 
 
+def test_a_corpus_is_named_and_an_output_of_another_corpus_refused(tmp_path):
+    from experiments import paper_batch
+
+    for run in (lr_sweep.run, paper_batch.run):
+        with pytest.raises(ValueError, match=r"corpus: expected one of \('stdlib', 'python', "
+                                             r"'offline'\), got 'pg19'"):
+            run(str(tmp_path / run.__module__), "smoke", corpus="pg19", log=lambda m: None)
+    built = {"source": "offline", "train_tokens": 10, "validation_tokens": 2, "train_files": 3}
+    results = {"corpus": built, "variants": {"ls": {"state": "finished"}}}
+    paper_batch.check_same_corpus("OUT", results, dict(built))  # the same corpus: no error
+    with pytest.raises(ValueError, match=r"out: OUT holds variants trained on another corpus"):
+        paper_batch.check_same_corpus("OUT", results, {**built, "train_tokens": 11})
+    paper_batch.check_same_corpus("OUT", {**results, "variants": {}}, {**built, "train_files": 4})
+
+
 def test_paper_batch_smoke_on_four_devices_matches_one_device(tmp_path):
     """Two variants trained together in rounds on 4 fake CPU devices, the time budget cutting
     them after step 4 of 5: the same steps for both, the held-out loss at every round, and the
-    losses of one uninterrupted single-device run."""
-    script = textwrap.dedent(f"""
+    losses of one uninterrupted single-device run. Grain, TFDS, SentencePiece and tensorboardX
+    are blocked, as on the GPU image."""
+    script = BLOCK + textwrap.dedent(f"""
         import json, numpy as np, jax
         from experiments import paper_batch, runner
         from experiments.byte_corpus import WindowSampler, build_corpus

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import ls_jax.train as train_lib
+import ls_jax.step as step_lib
 from ls_jax import data as data_lib
 from ls_jax.configs import get_config
 from ls_jax.checkpoint import CheckpointError, Checkpointer, DataLayout
@@ -21,6 +21,7 @@ from ls_jax.configs.cli import eval_main
 from ls_jax.evaluate import evaluate_checkpoint
 from ls_jax.metrics import read_jsonl
 from ls_jax.state import abstract_train_state
+from ls_jax.step import make_train_step
 from ls_jax.train import TrainingDiverged, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,7 +73,7 @@ def test_logit_stats_are_computed_on_logged_steps_only(tmp_path):
     graphdef, abstract = abstract_train_state(cfg)
     batch = {k: jax.ShapeDtypeStruct((8, 64), jnp.int32) for k in ("inputs", "targets")}
     for with_stats in (False, True):
-        step = train_lib.make_train_step(graphdef, cfg, with_stats=with_stats)
+        step = make_train_step(graphdef, cfg, with_stats=with_stats)
         _, metrics = jax.eval_shape(step, abstract, batch)
         assert ("attn_max_abs_logit" in metrics) == with_stats
         assert {"loss", "grad_norm", "lr"} <= set(metrics)
@@ -281,19 +282,19 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     cfg = micro_config("train.num_steps=8", "train.save_every=2")
     run = str(tmp_path)
     train(cfg, run, stop_after_steps=4, log=quiet)
-    real_loss = train_lib.lm_loss
+    real_loss = step_lib.lm_loss
 
     def poisoned(logits, targets, **kw):
         loss, parts = real_loss(logits, targets, **kw)
         return loss * jnp.nan, parts
 
-    monkeypatch.setattr(train_lib, "lm_loss", poisoned)
+    monkeypatch.setattr(step_lib, "lm_loss", poisoned)
     with pytest.raises(TrainingDiverged, match=r"diverged at step 5: non-finite loss.*last good checkpoint is step 4"):
         train(cfg, run, log=quiet)
     ckpt = Checkpointer(run, create=False)
     assert ckpt.all_steps() == [2, 4]
     ckpt.close()
-    monkeypatch.setattr(train_lib, "lm_loss", real_loss)
+    monkeypatch.setattr(step_lib, "lm_loss", real_loss)
     assert train(cfg, run, log=quiet).final_step == 8
 
 
@@ -333,7 +334,7 @@ def test_init_key_is_an_argument_not_a_traced_constant():
 
     from ls_jax.sharding import make_mesh
     from ls_jax.state import create_model_and_optimizer, init_key
-    from ls_jax.train import compile_train_fns
+    from ls_jax.step import compile_train_fns
 
     cfg = get_config("tiny")
     mesh = make_mesh(cfg.mesh)

@@ -23,13 +23,14 @@ NEXT_TESTS ?= tests/test_reference.py tests/test_api_validation.py tests/test_di
 	tests/test_directional.py tests/test_model.py tests/test_attention_fn.py tests/test_linen.py \
 	tests/test_partitioning.py tests/test_x64.py tests/test_export.py tests/test_tpu_export.py
 
-.PHONY: venv train eval sample test test-jax-next test-fast bench clean help
+.PHONY: venv train eval sample test test-all test-jax-next bench clean help
 
 help:
 	@echo "make train   - set up .venv and train the '$(CONFIG)' config into $(WORKDIR) (resumes if present)"
 	@echo "make eval    - evaluate the latest checkpoint in $(WORKDIR)"
 	@echo "make sample  - generate text from the latest checkpoint in $(WORKDIR) after PROMPT"
-	@echo "make test    - set up .venv and run the test suite (CPU)"
+	@echo "make test    - set up .venv and run the test suite (CPU) but its slow tests"
+	@echo "make test-all - the whole test suite, slow tests included"
 	@echo "make test-jax-next - the op, module, partitioning and export tests on jax $(JAX_NEXT)"
 	@echo "make bench   - attention benchmark (needs an NVIDIA GPU)"
 
@@ -53,8 +54,14 @@ eval: venv
 sample: venv
 	$(PY) -m ls_jax.sample --checkpoint $(WORKDIR) --prompt "$(PROMPT)" $(ARGS)
 
+# make test (CI): all but the tests marked slow (more cases of what make test checks, and the
+# longer end-to-end runs); make test-all: every test
+# (each test module on one worker: a module's fixture runs once)
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) tests $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow" tests $(ARGS)
+
+test-all: venv
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope tests $(ARGS)
 
 # A venv over $(VENV): that venv's packages (and its editable ls_jax) through a .pth, its own
 # site-packages first; `make $(VENV_NEXT)/.installed` etc. add to it what differs.
@@ -72,7 +79,8 @@ $(VENV_NEXT)/.installed: $(VENV)/.installed
 	touch $@
 
 test-jax-next: $(VENV_NEXT)/.installed
-	$(VENV_NEXT)/bin/python -m pytest -q -n $(TEST_WORKERS) -p no:cacheprovider $(NEXT_TESTS) $(ARGS)
+	$(VENV_NEXT)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope -m "not slow" \
+	  -p no:cacheprovider $(NEXT_TESTS) $(ARGS)
 
 bench: venv
 	$(PY) bench/attention.py $(ARGS)

@@ -113,6 +113,7 @@ class FakeBar:
 
 # -- item 1 + 5 + 8 + 3 + issue 12: one run directory through its life ------------------------
 
+@pytest.mark.slow
 def test_run_directory_lifecycle(tmp_path, monkeypatch, capsys):
     run = str(tmp_path / "run")
     # a failed start (no such files) leaves no config.json: the corrected command is not refused
@@ -476,8 +477,10 @@ def _run_at_moment(moment, sig, workdir, extra=()):
     return proc.returncode, proc.stdout, proc.stderr
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("moment,sig,code,last,saved", [
+# the moments "step" and "final_eval" run in `make test`, the others in `make test-all`
+@pytest.mark.parametrize("moment,sig,code,last,saved", [pytest.param(
+    *case, id=case[0], marks=[] if case[0] in ("step", "final_eval") else [pytest.mark.slow])
+    for case in [
     ("imports", signal.SIGTERM, 0, "stopped (SIGTERM) outside the training loop: nothing to "
                                    "save; rerun the same command to resume", None),
     ("startup", signal.SIGTERM, 0, "stopped before step 1 (SIGTERM, during start-up): nothing "
@@ -494,7 +497,7 @@ def _run_at_moment(moment, sig, workdir, extra=()):
     ("second_signal", signal.SIGINT, 130, "error: stopped at once by a second SIGINT (nothing "
                                           "more was saved); the last checkpoint is step 2 in "
                                           "{ckpt}; rerun the same command to resume", [2]),
-])
+]])
 def test_a_signal_at_any_moment_ends_with_one_line(tmp_path, moment, sig, code, last, saved):
     """The first signal asks for a stop: exit 0, one line saying what is saved, every written
     checkpoint kept (the final one committed before the final eval). A second one, here while

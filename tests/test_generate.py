@@ -98,6 +98,7 @@ def test_batch_of_unequal_prompts_equals_each_alone_and_no_cache():
         np.testing.assert_array_equal(row, naive_greedy(model, p, 9))
 
 
+@pytest.mark.slow
 def test_batch_rows_logits_equal_alone():
     """Right padding never leaks: each row's cached logits equal its own full forward pass."""
     from ls_jax.generate import prefill

@@ -86,6 +86,7 @@ def test_a_corpus_is_named_and_an_output_of_another_corpus_refused(tmp_path):
     paper_batch.check_same_corpus("OUT", {**results, "variants": {}}, {**built, "train_files": 4})
 
 
+@pytest.mark.slow
 def test_paper_batch_smoke_on_four_devices_matches_one_device(tmp_path):
     """Two variants trained together in rounds on 4 fake CPU devices, the time budget cutting
     them after step 4 of 5: the same steps for both, the held-out loss at every round, and the
@@ -118,7 +119,7 @@ def test_paper_batch_smoke_on_four_devices_matches_one_device(tmp_path):
         np.testing.assert_allclose(zl["loss"], rec.loss, rtol=1e-3)
         print("OK")
     """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)

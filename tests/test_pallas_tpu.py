@@ -207,6 +207,7 @@ def test_gradients_match_reference(B, T, Hq, Hkv, D, windows, segments, bq, bk):
         np.testing.assert_allclose(g, w, rtol=0, atol=2e-5 * scale, err_msg=f"d{name}")
 
 
+@pytest.mark.slow
 def test_bfloat16_forward_and_gradients_close_to_float32_reference():
     B, T, Hq, Hkv, D, windows = 1, 256, 2, 1, 128, (None, 100)
     q, k, v = rand_qkv(7, B, T, Hq, Hkv, D, jnp.bfloat16)
@@ -392,6 +393,7 @@ def test_race_detector_catches_a_row_split_across_cores():
 # ---------------------------------------------------------------------------------------------
 # Cross-check against JAX's splash attention (interpret mode, same inputs)
 
+@pytest.mark.slow
 @pytest.mark.parametrize("segments", [False, True])
 def test_matches_splash_attention(segments):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
@@ -477,6 +479,7 @@ def test_step_counts_match_interpreted_runs():
     assert theirs["fwd_computed_tiles"] == ours["fwd_computed_tiles"]
 
 
+@pytest.mark.slow
 def test_target_case_runs_under_a_quarter_of_splash_steps():
     """1 global + 15 local heads, T=8192, p=128, splash's default 128 blocks (issue 4)."""
     windows, T = (None,) + (128,) * 15, 8192

@@ -41,7 +41,7 @@ GROUPS = [[c for c in COMPARED if c.startswith("reference")],
 
 def _start(*args) -> subprocess.Popen:
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
     return subprocess.Popen([sys.executable, str(ROOT / "tests" / "partition_cases.py"),
                              *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

@@ -78,6 +78,7 @@ def test_cli_bad_input_one_line_exit_2(run_dir, tmp_path, capsys, case):
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and expect in err, err
 
 
+@pytest.mark.slow
 def test_inference_bench_smoke(tmp_path):
     """bench/inference.py --smoke, run as the script it is (tests import no bench module)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

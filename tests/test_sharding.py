@@ -30,7 +30,7 @@ CASES = str(ROOT / "tests" / "mesh_cases.py")
 
 def _env(devices: int) -> dict:
     return dict(os.environ, JAX_PLATFORMS="cpu",
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+                XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}")
 
 
 def _start(devices: int, *args) -> subprocess.Popen:
@@ -118,6 +118,7 @@ def test_losses_and_shardings_on_every_mesh():
     assert r["gathers"] == [] and pallas["gathers"] == []
 
 
+@pytest.mark.slow
 def test_checkpoint_from_8_devices_restores_on_4_and_1(tmp_path):
     """Saved on 8 devices at step 2; resumed on 8, 4 and 1: the restored state is bit-identical
     and the next steps' losses agree (bitwise on 8 and 4, to float32 rounding on 1)."""
@@ -142,6 +143,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_stop_together_on_one_sigterm(tmp_path):
     """Two processes (jax.distributed on localhost); SIGTERM to process 1 only: both save the
     same step and exit 0; the rerun resumes from it. One process then resumes their last
@@ -171,6 +173,7 @@ def test_two_processes_stop_together_on_one_sigterm(tmp_path):
     assert not (wd / "damaged_checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_remat_policies_give_the_same_gradients():
     import dataclasses
 
@@ -196,6 +199,7 @@ def test_remat_policies_give_the_same_gradients():
         ModelConfig(remat="some")
 
 
+@pytest.mark.slow
 def test_scaling_bench_smoke(tmp_path):
     """bench/scaling.py --smoke: one tiny run on 2 CPU devices, JSON and table written."""
     out = tmp_path / "scaling.json"

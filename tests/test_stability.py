@@ -15,6 +15,7 @@ from ls_jax.configs import get_config
 SMALL = ["model.n_layer=1", "train.save_every=6", "train.eval_every=0"]
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_metrics_plot_and_table(tmp_path):
     out = str(tmp_path)
     statuses = stability.run(out, "smoke", overrides=SMALL, log=lambda m: None)

@@ -103,6 +103,7 @@ WINDOWS = (1, 7, 50, 63, 64, 65, 128, 129, 200, 255, 256)
 GEOMETRIES = [(16, 1), (16, 2), (16, 3), (16, 5), (16, 16), (40, 7)]  # (blocks, strip)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("consumers", [2, 3])
 def test_forward_ring_never_deadlocks(consumers):
     """The forward's strips keep every waited block until their block is done, with the ring

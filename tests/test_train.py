@@ -63,6 +63,7 @@ def test_one_step_finite_then_fifty_steps_lower_the_loss(tmp_path):
     assert Checkpointer(str(tmp_path), create=False).all_steps() == [50]
 
 
+@pytest.mark.slow
 def test_logit_stats_are_computed_on_logged_steps_only(tmp_path):
     cfg = micro_config("train.num_steps=3", "train.save_every=3", "train.log_every=2")
     result = train(cfg, str(tmp_path), log=quiet)
@@ -95,6 +96,7 @@ def test_resume_is_bit_exact(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == list(range(1, 2 * n + 1))
 
 
+@pytest.mark.slow
 def test_resume_after_a_mid_interval_stop_replays_from_the_checkpoint(tmp_path):
     """A kill between checkpoints loses the steps after the last save, and only those."""
     cfg = micro_config("train.num_steps=8", "train.save_every=4")
@@ -132,6 +134,7 @@ def _layout(workdir, step):
         ckpt.close()
 
 
+@pytest.mark.slow
 def test_resume_on_another_number_of_processes_restarts_the_data_reseeded(tmp_path):
     """Saved by 2 processes at step 4, resumed by 1: the saved state, a fresh pipeline from a
     seed derived from (seed, step) (not the run's first batches), one warning, nothing moved
@@ -191,6 +194,7 @@ def test_resume_on_another_number_of_processes_restarts_the_data_reseeded(tmp_pa
     assert {**first.losses, **second.losses} == resumed.losses  # bit for bit
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_data_meta_resumes_exactly(tmp_path):
     """A step saved before data_meta existed: the process count from grain's file names, the
     config's shuffle seed; the resume is exact and later steps store their layout."""
@@ -214,6 +218,7 @@ def test_a_checkpoint_without_data_meta_resumes_exactly(tmp_path):
     assert _layout(run, 4) == DataLayout(1, cfg.data.shuffle_seed)
 
 
+@pytest.mark.slow
 def test_grad_accumulation_matches_one_big_batch(tmp_path):
     a = train(micro_config("train.num_steps=2", "train.save_every=2"), str(tmp_path / "a"), log=quiet)
     b = train(micro_config("train.num_steps=2", "train.save_every=2", "train.grad_accum_steps=2"),
@@ -278,6 +283,7 @@ def test_workdir_with_another_config_is_refused(tmp_path):
     assert (tmp_path / "config.json").read_text() == before
 
 
+@pytest.mark.slow
 def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     cfg = micro_config("train.num_steps=8", "train.save_every=2")
     run = str(tmp_path)
@@ -316,7 +322,7 @@ def test_two_devices_match_one(tmp_path):
     )
     results = {}
     for n in (1, 2):
-        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
+        env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}",
                    JAX_PLATFORMS="cpu")
         out = subprocess.run([sys.executable, "-c", script, str(tmp_path / f"d{n}")], env=env,
                              capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -63,11 +63,12 @@ def cudnn_on_cpu(monkeypatch):
 
 
 CASES = [
-    *[pytest.param(impl, dtype, id=f"{impl}-{dtype}")
+    *[pytest.param(impl, dtype, id=f"{impl}-{dtype}",
+                   marks=[pytest.mark.slow] if dtype == "bfloat16" else [])
       for impl in ("reference", "pallas_gpu", "pallas_tpu") for dtype in ("float32", "bfloat16")],
     pytest.param("cudnn", "bfloat16", id="cudnn-bfloat16"),  # cuDNN takes no float32
     # its local heads are pallas_gpu's
-    pytest.param("split", "bfloat16", id="split-bfloat16"),
+    pytest.param("split", "bfloat16", id="split-bfloat16", marks=pytest.mark.slow),
 ]
 
 

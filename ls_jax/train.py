@@ -28,7 +28,7 @@ from flax import nnx
 
 from ls_jax import data as data_lib
 from ls_jax import sharding as sharding_lib
-from ls_jax.checkpoint import Checkpointer, DataLayout
+from ls_jax.checkpoint import CheckpointError, Checkpointer, DataLayout
 from ls_jax.config import Config
 from ls_jax.evaluate import evaluate_model
 from ls_jax.metrics import MetricsWriter, logit_norm_summary

@@ -140,6 +140,7 @@ def _train(cfg: Config, mesh, workdir: str, stopper: "_Stopper", log) -> TrainRe
             if stop is not None:
                 step_log.close_progress()
                 say(stop)
+            step_log.sync()  # a failed write of the logs is reported, not lost in close()
             finished = True
         finally:
             profiler.close()
@@ -315,6 +316,7 @@ def _step_loop(cfg: Config, mesh, fns: TrainFns, state, start_step: int, data: _
         if save_now or at_eval:
             step_log.flush()  # check this step's loss before saving it
         if save_now:
+            step_log.sync()  # a resume from this step finds every step up to it logged
             with stopper.commit():
                 ckpt.save(step, state, data.iterator, data.seed)
                 say_committed(ckpt.poll())
@@ -489,6 +491,10 @@ class _StepLog:
 
     def write_eval(self, step: int, metrics: dict[str, Any]) -> None:
         self.writer.write(step, metrics, prefix="eval/")
+
+    def sync(self) -> None:
+        """Puts every record written so far on disk (``MetricsWriter.flush``)."""
+        self.writer.flush()
 
     def finished_before(self) -> bool:
         """Whether the kept log already holds this run's final eval (a rerun of a finished run)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import signal
 import sys
 import threading
@@ -67,6 +68,22 @@ class TrainResult:
 
 
 # -- the run ----------------------------------------------------------------------------------
+
+def use_compilation_cache() -> str | None:
+    """Turns on JAX's persistent compilation cache for this process, in
+    ``$XDG_CACHE_HOME/ls-jax/jax`` (default ``~/.cache/ls-jax/jax``), unless the environment
+    decided already: ``JAX_COMPILATION_CACHE_DIR`` names another directory (empty: none),
+    ``JAX_ENABLE_COMPILATION_CACHE=false`` turns it off. A later run of the same program (a
+    rerun, a resume, another workdir; the same JAX and machine) then loads the executables of
+    its init and steps instead of compiling them: the same executables, so the same numbers.
+    Call it before the first compilation. Returns the directory in use, or None."""
+    if jax.config.jax_compilation_cache_dir is None:
+        cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache_home, "ls-jax", "jax"))
+    if not jax.config.jax_enable_compilation_cache:
+        return None
+    return jax.config.jax_compilation_cache_dir or None
+
 
 def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
           stop_at_time: float | None = None, log: Callable[[str], None] = print) -> TrainResult:

@@ -23,6 +23,19 @@ so that no compile is served from a cache. Measured (wall clock, seconds):
 
 Prints the table last and writes JSON to ``--out``; a run that fails or passes ``--per-run-s``
 is a row with its error and the exit status is 1.
+
+``--train`` times ``train.py`` itself instead (the issue-37 CPU target: the first step of
+``make train`` within 10 s of its start):
+
+    python bench/startup.py --train --out train_startup.json       # tiny, 3 runs per cache
+    python bench/startup.py --train --cache off,cold,warm --repeats 3 --out t.json
+
+Each run is ``train.py --config <--config> --workdir <fresh dir>`` in a fresh process, timed
+from just before its process starts to the end of its first step (its results ready on the
+host), after which the run ends at once. Cache states: ``off`` (JAX's persistent compilation
+cache disabled), ``cold`` (an empty cache directory, filled by the run) and ``warm`` (the
+directory the last cold run filled). The table gives the median of ``--repeats`` runs per state
+and the 1-minute load average before each run.
 """
 
 from __future__ import annotations
@@ -182,6 +195,120 @@ def load_baseline(path: str | None) -> dict:
     return {(r["shape"], r["attention"]): r for r in rows if "error" not in r}
 
 
+# -- train.py's first step -------------------------------------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIRST_STEP_TARGET_S = 10.0  # issue 37: the first step of `make train` within 10 s of its start
+CACHE_STATES = ("off", "cold", "warm")
+
+
+def train_worker(train_args: list[str]) -> None:
+    """Runs train.py with ``train_args`` in this process; at the end of its first step prints
+    ``{"first_step_end": time.time()}`` and exits. ``ls_jax.train`` is patched as it is
+    imported (train.py imports it itself, in its own order)."""
+    import importlib.abc
+    import importlib.util
+    import runpy
+
+    def patch(module):
+        def first_step_done(self, step, dev_metrics):  # _StepLog.record: called after each step
+            import jax
+            jax.block_until_ready(dev_metrics)
+            print(json.dumps({"first_step_end": time.time(), "step": step}), flush=True)
+            os._exit(0)
+
+        module._StepLog.record = first_step_done
+
+    class PatchOnImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "ls_jax.train":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            exec_module = spec.loader.exec_module
+
+            def exec_and_patch(module):
+                exec_module(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_and_patch
+            return spec
+
+    sys.meta_path.insert(0, PatchOnImport())
+    sys.argv = [os.path.join(ROOT, "train.py"), *train_args]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    raise SystemExit("train.py ended before its first step")
+
+
+def run_train(config: str, cache: str, cache_dir: str, workdir: str, args) -> dict:
+    """One train.py run in a fresh process: seconds from its start to the end of step 1."""
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    if cache == "off":
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+    else:
+        env.pop("JAX_ENABLE_COMPILATION_CACHE", None)
+        env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+    cmd = [sys.executable, os.path.abspath(__file__), "--out", os.devnull, "--train-worker",
+           "--", "--config", config, "--workdir", workdir]
+    load = os.getloadavg()[0]
+    start = time.time()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT,
+                              timeout=args.per_run_s)
+    except subprocess.TimeoutExpired:
+        return {"cache": cache, "load_1min": load,
+                "error": f"timed out after {args.per_run_s:.0f} s (--per-run-s)"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"first_step_end"')]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()
+        return {"cache": cache, "load_1min": load,
+                "error": tail[-1] if tail else f"exit {proc.returncode}"}
+    return {"cache": cache, "load_1min": load,
+            "first_step_s": json.loads(lines[-1])["first_step_end"] - start}
+
+
+def train_main(args) -> int:
+    import tempfile
+    states = args.cache.split(",")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="ls_jax_startup_") as tmp:
+        warm_dir = None
+        for state in ("off", "cold", "warm"):  # warm needs a cold run's cache
+            if state not in states and not (state == "cold" and "warm" in states):
+                continue
+            for i in range(args.repeats if state in states else 1):
+                cache_dir = warm_dir if state == "warm" else os.path.join(tmp, f"cache_{state}{i}")
+                r = run_train(args.config, state, cache_dir, os.path.join(tmp, f"run_{state}{i}"),
+                              args)
+                if state == "cold" and "error" not in r:
+                    warm_dir = cache_dir
+                if state in states:
+                    results.append(r)
+                    print(json.dumps(r), flush=True)
+            if state == "cold" and warm_dir is None and "warm" in states:
+                results.append({"cache": "warm", "error": "no cold run filled a cache"})
+    rows = ["| cache | first step at s (median) | runs s | 1-min load |", "|---|---|---|---|"]
+    summary = {}
+    for state in states:
+        ok = [r["first_step_s"] for r in results if r["cache"] == state and "first_step_s" in r]
+        loads = [r["load_1min"] for r in results if r["cache"] == state and "load_1min" in r]
+        if ok:
+            summary[state] = statistics.median(ok)
+            rows.append(f"| {state} | {summary[state]:.1f} | "
+                        f"{', '.join(f'{t:.1f}' for t in ok)} | "
+                        f"{', '.join(f'{x:.1f}' for x in loads)} |")
+        else:
+            rows.append(f"| {state} | error | | |")
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "results": results, "median_s": summary,
+                   "cpu_count": os.cpu_count()}, f, indent=2)
+    for state, t in summary.items():
+        print(f"{args.config} first step, {state} cache: {t:.1f} s (target <= "
+              f"{FIRST_STEP_TARGET_S:g} s): {'PASS' if t <= FIRST_STEP_TARGET_S else 'MISS'}")
+    print("\n".join(rows))
+    return 0 if all("error" not in r for r in results) else 1
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON output path")
@@ -199,8 +326,28 @@ def main(argv=None) -> int:
                         help="an earlier --out JSON: the table adds each step time against it")
     parser.add_argument("--tiny", action="store_true",
                         help="the smoke shape, 2 steps (a CPU check in seconds)")
+    parser.add_argument("--train", action="store_true",
+                        help="time train.py to the end of its first step instead (see above)")
+    parser.add_argument("--config", default="tiny", help="--train: the config (default tiny)")
+    parser.add_argument("--cache", default="cold,warm",
+                        help=f"--train: comma-separated states from {list(CACHE_STATES)} "
+                        "(default cold,warm)")
+    parser.add_argument("--repeats", type=int, default=3, help="--train: runs per cache state")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--train-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("train_args", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.train_worker:
+        train_worker(args.train_args)
+    if args.train:
+        for state in args.cache.split(","):
+            if state not in CACHE_STATES:
+                parser.error(f"--cache: expected names from {list(CACHE_STATES)}, got {state!r}")
+        if args.repeats < 1:
+            parser.error(f"--repeats: expected an int >= 1, got {args.repeats}")
+        if not args.per_run_s > 0:
+            parser.error(f"--per-run-s: expected seconds > 0, got {args.per_run_s}")
+        return train_main(args)
     shapes = SMOKE_SHAPES if args.tiny else SHAPES
     if args.tiny:
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)

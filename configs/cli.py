@@ -24,7 +24,7 @@ def _train_extra() -> types.SimpleNamespace:
         from ls_jax.metrics import send_library_logs_to
         from ls_jax.rundir import RunDir, WorkdirLocked
         from ls_jax.sharding import maybe_initialize_distributed
-        from ls_jax.train import TrainingDiverged, train
+        from ls_jax.train import TrainingDiverged, train, use_compilation_cache
     except ModuleNotFoundError as e:
         raise SystemExit(f"error: training and evaluation need the [train] extra (missing "
                          f"module {e.name!r}): pip install 'ls-jax[train]'") from e
@@ -34,6 +34,7 @@ def _train_extra() -> types.SimpleNamespace:
                 TrainingDiverged)
     return types.SimpleNamespace(
         expected_errors=expected, evaluate_checkpoint=evaluate_checkpoint, train=train,
+        use_compilation_cache=use_compilation_cache,
         maybe_initialize_distributed=maybe_initialize_distributed,
         send_library_logs_to=send_library_logs_to, RunDir=RunDir)
 
@@ -97,6 +98,7 @@ def train_main(argv: list[str] | None = None) -> int:
     lib.maybe_initialize_distributed(args.distributed)
     workdir = args.workdir or f"runs/{cfg.name}"
     lib.send_library_logs_to(lib.RunDir(workdir).library_log_path, echo=args.debug)
+    lib.use_compilation_cache()
     try:
         result = lib.train(cfg, workdir)
     except lib.expected_errors as e:

@@ -13,11 +13,16 @@ import math
 import os
 import struct
 import sys
+import time
 from typing import Any, Callable
 
 import numpy as np
 
 from ls_jax.rundir import write_atomically, write_failed
+
+# TensorBoard rereads its event files every 5 s by default (--reload_interval): flushing them
+# (an fsync, which waits on every other writer of the disk) more often shows nothing sooner.
+TENSORBOARD_FLUSH_S = 5.0
 
 
 def logit_norm_summary(attn_max_abs_logit_LxH, lm_head_max_abs_logit) -> dict[str, Any]:
@@ -104,7 +109,9 @@ class MetricsWriter:
     either is removed, with one ``warn`` line. Without it, an existing log is moved aside to
     ``<path>.old`` (a fresh run keeps, but does not mix, old logs).
 
-    A failed write (a full disk) raises ``WriteFailed`` naming the file.
+    ``metrics.jsonl`` is flushed at every record; the TensorBoard events at most every
+    ``TENSORBOARD_FLUSH_S`` seconds, at ``flush()`` and at ``close()``. A failed write or flush
+    (a full disk) raises ``WriteFailed`` naming the file.
     """
 
     def __init__(self, path: str, *, tensorboard_dir: str | None = None,
@@ -133,6 +140,7 @@ class MetricsWriter:
                 self._tb = SummaryWriter(tensorboard_dir, purge_step=purge)
             except OSError as e:
                 raise write_failed(tensorboard_dir, e) from e
+            self._tb_flushed = time.monotonic()
 
     def _repair(self, resume_step: int, warn) -> None:
         """Keeps the records up to ``resume_step``; removes partial last records."""
@@ -170,10 +178,18 @@ class MetricsWriter:
             for tag, value in _scalars(metrics):
                 if math.isfinite(value):
                     self._tb.add_scalar(prefix + tag, value, step)
-            try:
-                self._tb.flush()
-            except OSError as e:
-                raise write_failed(self._events_file(), e) from e
+            if time.monotonic() - self._tb_flushed >= TENSORBOARD_FLUSH_S:
+                self.flush()
+
+    def flush(self) -> None:
+        """Flushes the TensorBoard events file to disk (``metrics.jsonl`` is, at every record)."""
+        if not self.enabled or self._tb is None:
+            return
+        try:
+            self._tb.flush()
+        except OSError as e:
+            raise write_failed(self._events_file(), e) from e
+        self._tb_flushed = time.monotonic()
 
     def _events_file(self) -> str:
         """The events file this writer appends to: the newest in its directory."""
@@ -182,9 +198,9 @@ class MetricsWriter:
         return max(paths, key=os.path.getmtime) if paths else self._tb_dir
 
     def close(self) -> None:
-        """Closes both logs. Every record was flushed as it was written, so a write that fails
-        here only repeats one ``write`` raised already; it is not raised again (a resume
-        repairs the logs)."""
+        """Closes both logs, flushing the TensorBoard events. A write that fails here is not
+        raised: a run that ends normally calls ``flush()`` first, which raises it, so one here
+        follows an error already raised (a resume repairs the logs)."""
         if not self.enabled:
             return
         for closing in (self._file, self._tb):

@@ -22,6 +22,7 @@ documents through this module.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import os
@@ -173,11 +174,33 @@ def stdlib_root() -> pathlib.Path:
     return pathlib.Path(sysconfig.get_paths()["stdlib"])
 
 
+@functools.cache
+def _stdlib_files(root: str) -> tuple[str, ...]:
+    """The ``.py`` files under ``root`` (symbolic links to files included, directories behind
+    links and the excluded ones not entered, unreadable ones skipped), as sorted relative POSIX
+    paths. Listed once per process: the standard library does not change while Python runs,
+    and a run reads the listing for each split and each pipeline it builds."""
+    found = []
+    pending = [("", root)]
+    while pending:
+        prefix, directory = pending.pop()
+        try:
+            with os.scandir(directory) as listing:
+                entries = list(listing)
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                if entry.name not in _EXCLUDED_STDLIB_DIRS:
+                    pending.append((f"{prefix}{entry.name}/", entry.path))
+            elif entry.name.endswith(".py") and entry.is_file():
+                found.append(prefix + entry.name)
+    return tuple(sorted(found))
+
+
 def _stdlib_documents(split: str, validation_percent: int) -> TextFileDocuments:
     root = stdlib_root()
-    relative_paths = sorted(
-        p.relative_to(root).as_posix() for p in root.rglob("*.py")
-        if p.is_file() and not _EXCLUDED_STDLIB_DIRS.intersection(p.relative_to(root).parts))
+    relative_paths = list(_stdlib_files(str(root)))
     if not relative_paths:
         raise FileNotFoundError(f"source: 'stdlib' found no .py files under {root}")
     return _split_files("stdlib", root, relative_paths, split, validation_percent)

@@ -18,17 +18,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import signal
 import sys
+import threading
 import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from ls_jax import data as data_lib
 from ls_jax import sharding as sharding_lib
-from ls_jax.checkpoint import Checkpointer, DataLayout
+from ls_jax.checkpoint import CheckpointError, Checkpointer, DataLayout
 from ls_jax.config import Config
 from ls_jax.evaluate import evaluate_model
 from ls_jax.metrics import MetricsWriter, logit_norm_summary
@@ -65,6 +68,22 @@ class TrainResult:
 
 
 # -- the run ----------------------------------------------------------------------------------
+
+def use_compilation_cache() -> str | None:
+    """Turns on JAX's persistent compilation cache for this process, in
+    ``$XDG_CACHE_HOME/ls-jax/jax`` (default ``~/.cache/ls-jax/jax``), unless the environment
+    decided already: ``JAX_COMPILATION_CACHE_DIR`` names another directory (empty: none),
+    ``JAX_ENABLE_COMPILATION_CACHE=false`` turns it off. A later run of the same program (a
+    rerun, a resume, another workdir; the same JAX and machine) then loads the executables of
+    its init and steps instead of compiling them: the same executables, so the same numbers.
+    Call it before the first compilation. Returns the directory in use, or None."""
+    if jax.config.jax_compilation_cache_dir is None:
+        cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache_home, "ls-jax", "jax"))
+    if not jax.config.jax_enable_compilation_cache:
+        return None
+    return jax.config.jax_compilation_cache_dir or None
+
 
 def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
           stop_at_time: float | None = None, log: Callable[[str], None] = print) -> TrainResult:
@@ -109,11 +128,12 @@ def _train(cfg: Config, mesh, workdir: str, stopper: "_Stopper", log) -> TrainRe
     with jax.set_mesh(mesh):
         ckpt = Checkpointer(run, keep=cfg.train.keep_checkpoints,
                             async_save=cfg.train.async_checkpoints)
-        step_log = data = None
+        step_log = data = ahead = None
         profiler = StepProfiler(cfg.train.profile_range, run.tensorboard_dir, log)
         finished = False
         try:
             fns = compile_train_fns(cfg, mesh)
+            ahead = _CompileAhead(cfg, mesh, fns, (ckpt.latest_step() or 0) + 1)
             graphdef, state, start_step, data = _restore_or_init(cfg, mesh, fns, ckpt, log)
             if why := stopper.at_startup():
                 finished = True
@@ -121,6 +141,7 @@ def _train(cfg: Config, mesh, workdir: str, stopper: "_Stopper", log) -> TrainRe
             if is_main:
                 run.write_config(cfg)
             step_log = _StepLog(cfg, run, start_step, log, enabled=is_main)
+            ahead.join()  # a signal from here on stops after the first step (saved)
             state, final_step, why_stop = _step_loop(
                 cfg, mesh, fns, state, start_step, data, ckpt, step_log, stopper, profiler, log)
             eval_metrics, stop = None, None
@@ -140,8 +161,11 @@ def _train(cfg: Config, mesh, workdir: str, stopper: "_Stopper", log) -> TrainRe
             if stop is not None:
                 step_log.close_progress()
                 say(stop)
+            step_log.sync()  # a failed write of the logs is reported, not lost in close()
             finished = True
         finally:
+            if ahead is not None:
+                ahead.join()  # no compilation outlives the run
             profiler.close()
             if step_log is not None:
                 step_log.close()
@@ -197,6 +221,43 @@ def _check_eval_split(cfg: Config) -> None:
     finally:
         if hasattr(it, "close"):
             it.close()
+
+
+class _CompileAhead:
+    """Compiles the train step that ``first_step`` takes (with or without the logit
+    statistics) in a thread of its own, while the run restores or initialises its state: XLA
+    compiles without holding the GIL, so the set-up's own work (the input pipeline, the init's
+    tracing and lowering, a checkpoint restore) goes on meanwhile. The executable lands in the
+    jitted step's own cache, where the first step's call finds it (loaded from the persistent
+    compilation cache when that holds it). Whatever fails here (another first step than the
+    one foreseen, an error) only loses the head start: the first step's own call compiles what
+    it needs and reports any error itself. A run with no step left to take compiles nothing."""
+
+    def __init__(self, cfg: Config, mesh, fns: TrainFns, first_step: int):
+        self._thread = None
+        if first_step > cfg.train.num_steps:
+            return
+        step_fn = fns.steps[_logs(cfg.train, first_step)]
+        state = sharding_lib.with_shardings(fns.abstract, fns.state_sharding)
+        batch_sharding = sharding_lib.batch_sharding(mesh)
+        batch = {k: jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len), jnp.int32,
+                                         sharding=batch_sharding)
+                 for k in ("inputs", "targets")}
+
+        def compile_step():
+            try:
+                with jax.set_mesh(mesh):  # the mesh context is per thread; the call's key has it
+                    step_fn.lower(state, batch).compile()
+            except Exception:  # noqa: BLE001  the first step's call compiles again and reports it
+                pass
+
+        self._thread = threading.Thread(target=compile_step, name="compile-first-step",
+                                        daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
 
 
 class _TrainData:
@@ -315,6 +376,7 @@ def _step_loop(cfg: Config, mesh, fns: TrainFns, state, start_step: int, data: _
         if save_now or at_eval:
             step_log.flush()  # check this step's loss before saving it
         if save_now:
+            step_log.sync()  # a resume from this step finds every step up to it logged
             with stopper.commit():
                 ckpt.save(step, state, data.iterator, data.seed)
                 say_committed(ckpt.poll())
@@ -453,7 +515,7 @@ class _StepLog:
 
     def logs(self, step: int) -> bool:
         """Whether ``step`` is logged (its step then computes the logit statistics)."""
-        return step % self.tcfg.log_every == 0 or step == self.tcfg.num_steps
+        return _logs(self.tcfg, step)
 
     def record(self, step: int, dev_metrics) -> None:
         self.flush()
@@ -490,6 +552,10 @@ class _StepLog:
     def write_eval(self, step: int, metrics: dict[str, Any]) -> None:
         self.writer.write(step, metrics, prefix="eval/")
 
+    def sync(self) -> None:
+        """Puts every record written so far on disk (``MetricsWriter.flush``)."""
+        self.writer.flush()
+
     def finished_before(self) -> bool:
         """Whether the kept log already holds this run's final eval (a rerun of a finished run)."""
         return self.writer.has_record(self.tcfg.num_steps, "eval/loss")
@@ -511,6 +577,11 @@ class _StepLog:
     def close(self) -> None:
         self.close_progress()
         self.writer.close()
+
+
+def _logs(tcfg, step: int) -> bool:
+    """Whether training step ``step`` (1-based) is logged: every ``log_every``-th and the last."""
+    return step % tcfg.log_every == 0 or step == tcfg.num_steps
 
 
 def _to_host(metrics: dict) -> dict[str, Any]:

@@ -665,6 +665,7 @@ def test_a_full_disk_under_tensorboard_names_its_events_file(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(SummaryWriter, "flush", full_disk)
+    monkeypatch.setattr(metrics_lib, "TENSORBOARD_FLUSH_S", 0.0)  # this write's flush is due
     with pytest.raises(OSError, match=rf"^could not write {tmp_path}/tb/events\.out\.tfevents\.\S+ "
                                       rf"\(No space left on device\); free space on its disk"):
         writer.write(2, {"loss": 1.0})

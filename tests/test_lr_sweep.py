@@ -45,6 +45,7 @@ def test_blew_up_spread_order_and_lr_range():
     assert math.isclose(r["ratio"], 2.0)
 
 
+@pytest.mark.slow
 def test_sweep_smoke_counts_divergence_resumes_and_refuses_other_settings(tmp_path):
     out = str(tmp_path / "sweep")
     quiet = dict(log=lambda m: None)

@@ -253,7 +253,7 @@ STRIP_CASES = [
                  id="every-head-local-2-consumers"),
     # windows from 1 to 256 (the widest whose ring fits): strips of one block
     pytest.param(bf16(1, 320, 4, 4, (1, 65, 192, 256)),
-                 strips(4, 4, None, StripConfig(strip_blocks=1)), id="windows-1-to-256"),
+                 strips(4, 4, None, StripConfig(strip_blocks=1)), id="windows-1-to-256", marks=pytest.mark.slow),
     # a strip longer than the sequence, GQA
     pytest.param(bf16(1, 192, 2, 1, (100, 7)), strips(2, 1, None, StripConfig(strip_blocks=8)),
                  id="one-strip-a-row-gqa"),
@@ -306,7 +306,8 @@ def test_hopper_backward_matches_reference(shape, launch):
 
 DEFAULT_CASES = [
     pytest.param(bf16(1, 200, 4, 2, (None, 20, 1, None)), id="bf16-mix"),
-    pytest.param(bf16(1, 130, 2, 2, (None, None)), id="bf16-all-global"),
+    pytest.param(bf16(1, 130, 2, 2, (None, None)), id="bf16-all-global",
+                 marks=pytest.mark.slow),
     pytest.param(Shape(1, 50, 2, 1, 16, (None, 9)), id="fp32"),
     pytest.param(Shape(1, 64, 2, 2, 64, (None, 9), jnp.bfloat16, segments=True),
                  id="bf16-segments"),

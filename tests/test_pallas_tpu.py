@@ -314,6 +314,7 @@ def test_checkpoint_matches_the_reference(implementation):
     _assert_close_to(got, _output_and_grads(_reference(), q, k, v, seg))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_runs_with_x64_enabled(dtype):
     """``jax_enable_x64`` on: the kernels' index arithmetic stays int32; the output and the
@@ -339,6 +340,7 @@ def _kernel_operands(plan: AttentionPlan, B, seed):
             jax.random.normal(ks[2], shape_k), jax.random.normal(ks[3], shape_q))
 
 
+@pytest.mark.slow
 def test_kernels_have_no_races_on_two_cores():
     """Chunks split each work list over the two simulated cores ("parallel" grid axis)."""
     params = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)

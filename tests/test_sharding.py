@@ -85,6 +85,7 @@ def test_qkv_gather_check_reads_hlo_lines():
 
 # -- 8 fake devices -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_dispatch_by_direction_per_shard():
     """implementation=None's pairing (kernels/directional.py) on sharded inputs: per shard, the
     forward-only program runs the primal backend and the gradient program the differentiated

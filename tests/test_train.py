@@ -227,6 +227,7 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path):
     assert a.losses[2] == pytest.approx(b.losses[2], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_eval_on_a_fresh_checkpoint(tmp_path, capsys):
     cfg = micro_config("train.num_steps=4", "train.save_every=2")
     final = train(cfg, str(tmp_path), log=quiet).eval_metrics

@@ -19,6 +19,9 @@ call does:
   differentiated one (``kernels/directional.py``), the forward-only op runs the former.
   "cudnn" partitions itself (JAX's cuDNN call has its own custom partitioning) and is called
   as it is.
+* a layout the caller gives (``partition_spec``, under ``jax.set_mesh``): a ``jax.shard_map``
+  over it, whatever the axis types; no custom partitioning (which a compile for a TPU
+  topology from a host without TPUs does not have).
 * otherwise (one device, or inside a ``shard_map`` that already made the call per shard) the
   backend is called as it is; so is Pallas' TPU interpreter (``interpret=True`` with
   "pallas_tpu") on Auto axes, since JAX cannot lower its ordered host callbacks inside a

@@ -18,14 +18,9 @@ from ls_jax import sources
 from ls_jax import train as train_lib
 from ls_jax.configs import get_config
 from ls_jax.train import train, use_compilation_cache
+from test_train import MICRO  # the micro config of the training tests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MICRO = [
-    "model.n_layer=2", "model.d_model=64", "model.n_head=2", "model.head_dim=32", "model.window=8",
-    "model.max_seq_len=64", "data.seq_len=64", "data.shuffle_window=64", "train.batch_size=8",
-    "train.warmup_steps=5", "train.log_every=1", "train.eval_batches=2", "train.progress=false",
-    "train.async_checkpoints=false",
-]
 
 
 # -- the offline corpus ---------------------------------------------------------------------

@@ -120,12 +120,9 @@ class Program:
     def compile(self) -> float:
         """Compiles init, step and eval ahead of time; returns the seconds it took."""
         t0 = time.time()
-        B, T = self.cfg.train.batch_size, self.cfg.data.seq_len
         with jax.set_mesh(self.mesh):
             key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=self.replicated)
-            state = sharding_lib.with_shardings(self.fns.abstract, self.fns.state_sharding)
-            batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=self.batch_sharding)
-                     for k in ("inputs", "targets")}
+            state, batch = self.fns.step_args
             evaluate = jax.jit(self._eval_fn, out_shardings=self.replicated)
             self._init = self.fns.init.lower(key).compile()
             self._step = self.fns.steps[True].lower(state, batch).compile()

@@ -224,13 +224,10 @@ def compile_steps(cfg: Config, topology: str, *, programs: tuple[str, ...] = PRO
     mesh = compile_mesh(cfg, devices)
     check_batch_split(cfg.train, mesh)
     B, T = cfg.train.batch_size, cfg.data.seq_len
-    batch_sharding = sharding_lib.batch_sharding(mesh)
-    batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=batch_sharding)
-             for k in ("inputs", "targets")}
     compiled = []
     with jax.set_mesh(mesh):
         fns = compile_train_fns(cfg, mesh)
-        state = sharding_lib.with_shardings(fns.abstract, fns.state_sharding)
+        state, batch = fns.step_args
         lowerings = {
             "train step": lambda: fns.steps[False].lower(state, batch),
             "train step + statistics": lambda: fns.steps[True].lower(state, batch),

@@ -100,6 +100,8 @@ class TrainFns:
     state_sharding: Any  # the same tree with a NamedSharding per variable
     init: Callable  # (key) -> state; key = ls_jax.state.init_key(cfg)
     steps: dict[bool, Callable]  # with_stats -> (state, global batch) -> (state, metrics)
+    # (state, batch) as ShapeDtypeStructs with their shardings: what the steps are lowered for
+    step_args: tuple[Any, dict]
 
 
 def compile_train_fns(cfg: Config, mesh: jax.sharding.Mesh, *,
@@ -116,9 +118,13 @@ def compile_train_fns(cfg: Config, mesh: jax.sharding.Mesh, *,
     # the key is an argument, never a traced constant (create_model_and_optimizer says why)
     init = jax.jit(lambda key: nnx.state(create_model_and_optimizer(cfg, key=key, tx=tx)),
                    out_shardings=state_sharding)
+    batch_sharding = sharding_lib.batch_sharding(mesh)
     steps = {with_stats: jax.jit(make_train_step(graphdef, cfg, with_stats=with_stats),
-                                 in_shardings=(state_sharding, sharding_lib.batch_sharding(mesh)),
+                                 in_shardings=(state_sharding, batch_sharding),
                                  out_shardings=(state_sharding, sharding_lib.replicated(mesh)),
                                  donate_argnums=0)
              for with_stats in (False, True)}
-    return TrainFns(graphdef, abstract, state_sharding, init, steps)
+    batch = {k: jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len), jnp.int32,
+                                     sharding=batch_sharding) for k in ("inputs", "targets")}
+    step_args = (sharding_lib.with_shardings(abstract, state_sharding), batch)
+    return TrainFns(graphdef, abstract, state_sharding, init, steps, step_args)

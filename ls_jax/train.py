@@ -26,7 +26,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from ls_jax import data as data_lib
@@ -238,16 +237,11 @@ class _CompileAhead:
         if first_step > cfg.train.num_steps:
             return
         step_fn = fns.steps[_logs(cfg.train, first_step)]
-        state = sharding_lib.with_shardings(fns.abstract, fns.state_sharding)
-        batch_sharding = sharding_lib.batch_sharding(mesh)
-        batch = {k: jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len), jnp.int32,
-                                         sharding=batch_sharding)
-                 for k in ("inputs", "targets")}
 
         def compile_step():
             try:
                 with jax.set_mesh(mesh):  # the mesh context is per thread; the call's key has it
-                    step_fn.lower(state, batch).compile()
+                    step_fn.lower(*fns.step_args).compile()
             except Exception:  # noqa: BLE001  the first step's call compiles again and reports it
                 pass
 
@@ -307,9 +301,8 @@ def _restore_or_init(cfg: Config, mesh, fns: TrainFns, ckpt: Checkpointer, log):
         tried["data"] = _TrainData(cfg, _saved_pipeline_seed(cfg, layout))
         return tried["data"].iterator
 
-    abstract = sharding_lib.with_shardings(fns.abstract, fns.state_sharding)
     try:
-        start_step, state = ckpt.restore_latest_intact(abstract, position_into, log)
+        start_step, state = ckpt.restore_latest_intact(fns.step_args[0], position_into, log)
         if start_step > cfg.train.num_steps:
             raise ValueError(f"train.num_steps: expected >= the checkpointed step {start_step} "
                              f"to resume {ckpt.directory}, got {cfg.train.num_steps}")

@@ -141,7 +141,7 @@ def constrain_batch(x):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not all(a in mesh.axis_names for a in BATCH_AXES):
         return x
-    if x.shape[0] % math.prod(mesh.shape[a] for a in BATCH_AXES):
+    if x.shape[0] % batch_divisor(mesh):
         return x
     return jax.lax.with_sharding_constraint(x, P(BATCH_AXES))
 
@@ -153,7 +153,7 @@ def attention_spec(batch: int, heads: int, kv_heads: int) -> P | None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not all(a in mesh.axis_names for a in MESH_AXES):
         return None
-    batch_axes = BATCH_AXES if batch % math.prod(mesh.shape[a] for a in BATCH_AXES) == 0 else None
+    batch_axes = None if batch % batch_divisor(mesh) else BATCH_AXES
     split_heads = heads % mesh.shape["tensor"] == 0 and kv_heads % mesh.shape["tensor"] == 0
     return P(batch_axes, None, "tensor" if split_heads else None, None)
 

@@ -65,16 +65,17 @@ test-all: venv
 
 # A venv over $(VENV): that venv's packages (and its editable ls_jax) through a .pth, its own
 # site-packages first; `make $(VENV_NEXT)/.installed` etc. add to it what differs.
+# the site-packages directory of the venv $(1), in a recipe's shell
+purelib = $$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 define overlay_venv
 	rm -rf $(1)
 	"$$($(PY) -c 'import sys; print(sys._base_executable)')" -m venv --without-pip $(1)
-	echo "import site; site.addsitedir('$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
-	  > "$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz_base_venv.pth"
+	echo "import site; site.addsitedir('$(call purelib,$(VENV))')" > "$(call purelib,$(1))/zz_base_venv.pth"
 endef
 
 $(VENV_NEXT)/.installed: $(VENV)/.installed
 	$(call overlay_venv,$(VENV_NEXT))
-	$(PY) -m pip install -q --no-deps --target "$$($(VENV_NEXT)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+	$(PY) -m pip install -q --no-deps --target "$(call purelib,$(VENV_NEXT))" \
 	  "jax==$(JAX_NEXT)" "jaxlib==$(JAX_NEXT)"
 	touch $@
 
@@ -99,8 +100,7 @@ LIBTPU ?= 0.0.48.1
 
 $(TPU_VENV)/.installed: $(VENV)/.installed
 	$(call overlay_venv,$(TPU_VENV))
-	$(PY) -m pip install -q --no-deps --target "$$($(TPU_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-	  "libtpu==$(LIBTPU)"
+	$(PY) -m pip install -q --no-deps --target "$(call purelib,$(TPU_VENV))" "libtpu==$(LIBTPU)"
 	touch $@
 
 venv-tpu: $(TPU_VENV)/.installed

@@ -32,6 +32,7 @@ W = (None, 3, 3, 3)
     ((q, kv, kv, W), {"implementation": "flash"}, r"implementation: expected None or one of .*got 'flash'"),
     ((q, kv, kv, W), {"interpret": True}, r"interpret: True needs an explicit implementation"),
     ((q, kv, kv, W), {"implementation": "reference", "interpret": True}, r"interpret: only the Pallas backends"),
+    ((q, kv, kv, W), {"partition_spec": ("data",)}, r"partition_spec: expected None or a jax.sharding.PartitionSpec, got tuple"),
 ])
 def test_bad_inputs_raise_clear_errors(args, kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):

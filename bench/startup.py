@@ -71,7 +71,10 @@ def worker(shape_name: str, shape: dict, attention: str, steps: int, warmup: int
     from ls_jax.config import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig
     from ls_jax.model import count_params
     from ls_jax.state import init_key
-    from ls_jax.step import compile_train_fns
+    try:
+        from ls_jax.step import compile_train_fns
+    except ImportError:  # a checkout from before ls_jax/step.py, timed as a baseline
+        from ls_jax.train import compile_train_fns
 
     model = dict(shape["model"], attn_implementation=None if attention == "default"
                  else attention)

@@ -8,9 +8,12 @@
 What it adds to ``jax.export.export``:
 
 * ``gpu``: for "cuda", the target GPU's ``device_kind`` (the string
-  ``jax.devices()[0].device_kind`` gives on that machine). Pallas' GPU lowering compiles for that GPU's architecture, so a machine
-  without it must be told (JAX's ``jax.sharding.AbstractDevice``); on a machine with that GPU it
-  may be left out.
+  ``jax.devices()[0].device_kind`` gives on that machine), set as the device of an abstract
+  mesh (JAX's ``jax.sharding.AbstractDevice``) while the program is traced. Pallas' GPU lowering
+  compiles for that GPU's architecture, and our kernels' launches are planned for it
+  (``kernels/pallas_gpu/heuristics.current_gpu``: the Mosaic GPU kernels for a Hopper GPU, the
+  Triton ones for another), so the export holds what that GPU runs; on a machine with that
+  GPU it may be left out.
 * the custom calls of our GPU kernels' Triton lowering are allowed: JAX refuses to serialize
   custom calls whose format it does not promise to keep (its Triton call is one; the TPU
   kernels' ``tpu_custom_call`` and Mosaic GPU's ``mosaic_gpu_v2`` are kept), so such an

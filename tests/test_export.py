@@ -47,6 +47,23 @@ def test_the_op_forward_and_backward_lower_to_our_kernels(platform):
     assert [a.shape for a in exported.out_avals] == [(), q.shape, kv.shape, kv.shape]
 
 
+@pytest.mark.parametrize("gpu,lowerings", [
+    pytest.param(GPU, {"mosaic_gpu_v2"}, id="hopper"),
+    pytest.param("NVIDIA A100-SXM4-80GB", {"__gpu$xla.gpu.triton"}, id="ampere"),
+])
+def test_the_launches_are_planned_for_the_named_gpu(gpu, lowerings):
+    """An LS mix that the Mosaic GPU kernels take (16-bit, D=64, no segment ids) lowers to
+    them for a Hopper target and to Triton only for another GPU, wherever it is exported."""
+    q = jax.ShapeDtypeStruct((4, 4096, 16, 64), jnp.bfloat16)
+    f = jax.jit(lambda q, k, v: ls_attention(q, k, v, (None,) + (128,) * 15,
+                                              implementation="pallas_gpu"))
+    targets = {t for pair in _targets(export(f, platforms=("cuda",), gpu=gpu)(q, q, q))
+               for t in pair if t}
+    assert lowerings <= targets <= set(KERNEL_CUSTOM_CALLS["cuda"])
+    if "mosaic_gpu_v2" not in lowerings:
+        assert "mosaic_gpu_v2" not in targets
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"], ids=["to_cuda", "to_tpu"])  # "tpu" alone is a marker name
 def test_a_model_lowers_to_our_kernels_once_per_layer(platform):
     cfg = ModelConfig(vocab_size=64, n_layer=2, d_model=64, n_head=4, head_dim=16, window=8,

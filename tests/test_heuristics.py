@@ -512,6 +512,48 @@ def test_interpret_mode_plans_for_a_hopper_gpu():
     assert heuristics.current_gpu(interpret=True).hopper
 
 
+# (device_kind as the card reports it, Hopper?, its SMs per NVIDIA's datasheet or None where
+# only the Hopper launches would read it)
+@pytest.mark.parametrize("kind,hopper,sms", [
+    pytest.param("NVIDIA H100 80GB HBM3", True, 132, id="h100-sxm"),
+    pytest.param("NVIDIA H100 PCIe", True, 114, id="h100-pcie"),
+    pytest.param("NVIDIA H100 NVL", True, 132, id="h100-nvl"),
+    pytest.param("NVIDIA H200", True, 132, id="h200"),
+    pytest.param("NVIDIA H800", True, 132, id="h800"),
+    pytest.param("NVIDIA GH200 480GB", True, 132, id="gh200"),
+    pytest.param("NVIDIA A100-SXM4-80GB", False, None, id="a100-ampere"),
+    pytest.param("NVIDIA GeForce RTX 4090", False, None, id="rtx4090-ada"),
+    pytest.param("NVIDIA B200", False, None, id="b200-blackwell"),
+    pytest.param("Tesla V100-SXM2-16GB", False, None, id="v100-volta"),
+    pytest.param("an unknown GPU", False, None, id="unknown"),
+])
+def test_gpu_of_kind(kind, hopper, sms):
+    gpu = heuristics.gpu_of_kind(kind)
+    assert gpu.hopper is hopper
+    if sms is not None:
+        assert gpu.sms == sms
+
+
+def test_gpu_of_kind_takes_the_sms_the_device_reports():
+    """A device that reports its SMs (a MIG slice has fewer) is planned with that count."""
+    assert heuristics.gpu_of_kind("NVIDIA H100 80GB HBM3", sms=16) == Gpu(hopper=True, sms=16)
+
+
+@pytest.mark.parametrize("kind,hopper", [
+    pytest.param("NVIDIA H100 80GB HBM3", True, id="hopper"),
+    pytest.param("NVIDIA A100-SXM4-80GB", False, id="ampere"),
+])
+def test_current_gpu_is_the_abstract_meshs_gpu(kind, hopper):
+    """The GPU of the abstract mesh in context (an export's target), not this CPU machine's."""
+    import jax
+
+    device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert heuristics.current_gpu().hopper is hopper
+    assert not heuristics.current_gpu().hopper  # this machine has no GPU
+
+
 # ---------------------------------------------------------------------------------------------
 # Validation at construction: one line naming the field
 

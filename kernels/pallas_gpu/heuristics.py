@@ -9,6 +9,7 @@ docs/kernel-notes.md.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -65,16 +66,44 @@ class Gpu:
     sms: int
 
 
+# The Hopper GPUs (compute capability 9.0, what the Mosaic GPU kernels are written for), by the
+# model name in their ``device_kind``, and their SMs.
+HOPPER_SMS = {
+    "h100": 132,  # H100 SXM5 and NVL
+    "h200": 132,  # H100's die with more memory
+    "h800": 132,  # H100 SXM5 with less NVLink bandwidth
+    "gh200": 132,  # the Grace Hopper superchip's H100 die
+}
+HOPPER_PCIE_SMS = 114  # an H100 or H800 PCIe card: fewer SMs enabled
+
+
+def gpu_of_kind(device_kind: str, sms: int | None = None) -> Gpu:
+    """The GPU of a ``device_kind`` (as ``jax.devices()[0].device_kind`` gives it): Hopper for
+    the models in ``HOPPER_SMS``, with ``sms`` (what the device reports) or else the model's
+    count. Any other kind, an unknown one included, is not Hopper: the Triton kernels run on
+    every CUDA GPU, the Mosaic GPU ones only on Hopper; its SMs default to ``REFERENCE_SMS``
+    (only the Hopper launches use the count)."""
+    words = re.split(r"[\s_-]+", device_kind.lower())
+    model = next((w for w in words if w in HOPPER_SMS), None)
+    if model is None:
+        return Gpu(hopper=False, sms=sms or REFERENCE_SMS)
+    return Gpu(hopper=True, sms=sms or (HOPPER_PCIE_SMS if "pcie" in words else HOPPER_SMS[model]))
+
+
 def current_gpu(interpret: bool = False) -> Gpu:
-    """The GPU of JAX's first device; in interpret mode the reference GPU (so the CPU tests
-    run the Hopper launches in Pallas' GPU interpreter)."""
+    """The GPU a call is planned for: in interpret mode the reference GPU (so the CPU tests
+    run the Hopper launches in Pallas' GPU interpreter); else the GPU of the abstract mesh in
+    context (an export names its target GPU so, ``ls_jax/export.py``); else JAX's first
+    device; a machine without a GPU plans for a non-Hopper one."""
     if interpret:
         return Gpu(hopper=True, sms=REFERENCE_SMS)
+    target = jax.sharding.get_abstract_mesh().abstract_device
+    if target is not None and target.platform == "gpu":
+        return gpu_of_kind(target.device_kind, target.num_cores)
     device = jax.devices()[0]
     if device.platform != "gpu":
         return Gpu(hopper=False, sms=REFERENCE_SMS)
-    hopper = str(getattr(device, "compute_capability", "")).startswith("9.")
-    return Gpu(hopper=hopper, sms=int(getattr(device, "core_count", 0) or REFERENCE_SMS))
+    return gpu_of_kind(device.device_kind, getattr(device, "core_count", None))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,8 +93,9 @@ def gpu_of_kind(device_kind: str, sms: int | None = None) -> Gpu:
 def current_gpu(interpret: bool = False) -> Gpu:
     """The GPU a call is planned for: in interpret mode the reference GPU (so the CPU tests
     run the Hopper launches in Pallas' GPU interpreter); else the GPU of the abstract mesh in
-    context (an export names its target GPU so, ``ls_jax/export.py``); else JAX's first
-    device; a machine without a GPU plans for a non-Hopper one."""
+    context (an export names its target GPU so, ``ls_jax/export.py``; ``gpu_of_kind``); else
+    JAX's first device, by its compute capability; a machine without a GPU plans for a
+    non-Hopper one."""
     if interpret:
         return Gpu(hopper=True, sms=REFERENCE_SMS)
     target = jax.sharding.get_abstract_mesh().abstract_device
@@ -103,7 +104,9 @@ def current_gpu(interpret: bool = False) -> Gpu:
     device = jax.devices()[0]
     if device.platform != "gpu":
         return Gpu(hopper=False, sms=REFERENCE_SMS)
-    return gpu_of_kind(device.device_kind, getattr(device, "core_count", None))
+    # a real device says what it is: compute capability 9.x is Hopper, whatever its name
+    hopper = str(getattr(device, "compute_capability", "")).startswith("9.")
+    return Gpu(hopper=hopper, sms=int(getattr(device, "core_count", 0) or REFERENCE_SMS))
 
 
 @dataclasses.dataclass(frozen=True)

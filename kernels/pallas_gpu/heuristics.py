@@ -69,12 +69,12 @@ class Gpu:
 # The Hopper GPUs (compute capability 9.0, what the Mosaic GPU kernels are written for), by the
 # model name in their ``device_kind``, and their SMs.
 HOPPER_SMS = {
-    "h100": 132,  # H100 SXM5 and NVL
-    "h200": 132,  # H100's die with more memory
-    "h800": 132,  # H100 SXM5 with less NVLink bandwidth
-    "gh200": 132,  # the Grace Hopper superchip's H100 die
+    "h100": 132,  # the SXM and NVL boards
+    "h200": 132,  # the same die with more memory
+    "h800": 132,  # the same die with less NVLink bandwidth
+    "gh200": 132,  # the Grace Hopper superchip's GPU
 }
-HOPPER_PCIE_SMS = 114  # an H100 or H800 PCIe card: fewer SMs enabled
+HOPPER_PCIE_SMS = 114  # the PCIe boards of these models enable fewer SMs
 
 
 def gpu_of_kind(device_kind: str, sms: int | None = None) -> Gpu:

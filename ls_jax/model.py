@@ -84,14 +84,6 @@ class Block(nnx.Module):
         return x_BxTxM, stats_H, cache
 
 
-def unroll_blocks() -> bool:
-    """Whether the compiled program unrolls the scan over blocks (it is traced once either
-    way): on CPU, where XLA compiles the unrolled blocks faster (their identical kernels
-    compile once, a loop body's do not); elsewhere the loop stays rolled, so that the block
-    and its attention kernels are lowered and compiled once whatever the depth."""
-    return jax.default_backend() == "cpu"
-
-
 def init_blocks(cfg: ModelConfig, key: jax.Array) -> list[Block]:
     """``cfg.n_layer`` fresh Blocks, each from its own key split from ``key``, drawn together:
     each parameter's random draw is one operation over every layer (``jax.vmap``), so a jitted
@@ -179,8 +171,11 @@ class Transformer(nnx.Module):
         return logits_BxTxV, stats
 
     def _scan_blocks(self, x_BxTxM, positions, segment_ids, return_stats: bool):
-        """The blocks as one ``jax.lax.scan`` over their stacked parameters (``unroll_blocks``
-        says where the compiled loop is rolled). Returns (x, max_abs_logit [L, H] or None);
+        """The blocks as one ``jax.lax.scan`` over their stacked parameters, traced once (the
+        block and its attention kernels are lowered once whatever the depth) and unrolled in
+        the compiled program: XLA fuses and schedules across unrolled blocks, where a rolled
+        loop pays each step for slicing the stacked parameters and carrying its buffers, and
+        the blocks' identical kernels compile once. Returns (x, max_abs_logit [L, H] or None);
         ``model.remat`` checkpoints each block."""
         graphdef, stacked = stack_blocks(self.blocks)
 
@@ -193,7 +188,7 @@ class Transformer(nnx.Module):
         policy = REMAT_POLICIES[self.cfg.remat]
         if policy is not None:  # the backward pass recomputes what the policy drops
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        return jax.lax.scan(body, x_BxTxM, stacked, unroll=unroll_blocks())
+        return jax.lax.scan(body, x_BxTxM, stacked, unroll=True)
 
     # -- decoding with a KV cache (ls_jax/generate.py) ---------------------------------------
 

@@ -167,15 +167,7 @@ def count_primitives(fn, *args, names) -> int:
     return walk(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
-@pytest.fixture(params=[True, False], ids=["unrolled", "rolled"])
-def unrolled(request, monkeypatch):
-    """Both compiled forms of the scan over blocks: unrolled (the CPU default) and a rolled
-    loop (GPU and TPU)."""
-    monkeypatch.setattr(model_lib, "unroll_blocks", lambda: request.param)
-    return request.param
-
-
-def test_scan_equals_the_blocks_applied_in_turn(unrolled):
+def test_scan_equals_the_blocks_applied_in_turn():
     """Logits and each layer's statistics of the scanned model equal the blocks called one
     after the other (layer order kept: 3 layers of different parameters)."""
     cfg = ModelConfig(**{**SMALL, "n_layer": 3}, n_global_heads=1)
@@ -212,7 +204,7 @@ def test_compile_work_is_flat_in_depth(remat):
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])
-def test_remat_keeps_loss_and_gradients(remat, unrolled):
+def test_remat_keeps_loss_and_gradients(remat):
     tokens = jax.random.randint(jax.random.key(9), (2, 12), 0, 64)
 
     def loss_and_grads(remat):

@@ -8,9 +8,10 @@ import shutil
 import sysconfig
 import time
 
-import grain
 import numpy as np
 import pytest
+
+grain = pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 
 from ls_jax import data, sources
 from ls_jax.config import DataConfig

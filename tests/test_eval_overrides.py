@@ -11,6 +11,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+
+pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 from flax import nnx
 
 from ls_jax.configs import get_config

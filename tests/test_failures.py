@@ -14,11 +14,12 @@ import sys
 import textwrap
 import warnings
 
-import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+grain = pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 
 import ls_jax.metrics as metrics_lib
 import ls_jax.train as train_lib

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+pytest.importorskip("grain", reason="the training loop needs the [train] extra")
+
 from ls_jax.configs import get_config
 from ls_jax.sample import main as sample_main
 from ls_jax.train import train

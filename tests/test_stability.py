@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+pytest.importorskip("grain", reason="the training loop needs the [train] extra")
+
 from experiments import paper_batch, paper_claims, stability
 from experiments.stability_report import count_spikes, summarize
 from ls_jax.configs import get_config

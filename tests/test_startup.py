@@ -13,6 +13,8 @@ import threading
 import jax
 import pytest
 
+pytest.importorskip("grain", reason="the training loop needs the [train] extra")
+
 from ls_jax import metrics as metrics_lib
 from ls_jax import sources
 from ls_jax import train as train_lib

@@ -92,3 +92,19 @@ def test_runner_at_a_peak_lr_is_the_library_step_at_that_lr():
     for a, b in zip(ours, theirs):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.linalg.norm(a - b) <= 5e-4 * np.linalg.norm(b), (a.shape, np.abs(a - b).max())
+
+
+def test_the_suite_collects_without_grain_tfds_sentencepiece_tensorboardx():
+    """On the GPU image the modules that drive the training loop are skipped, not errors,
+    and the GPU tests are collected."""
+    script = BLOCK + textwrap.dedent("""
+        import pytest
+        sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                              "tests"]))
+    """)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "error" not in proc.stdout.lower().splitlines()[-1]
+    assert "tests/test_pallas_gpu.py::" in proc.stdout

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 from flax import nnx
 
 import ls_jax.step as step_lib

@@ -8,6 +8,8 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 from safetensors.numpy import load_file, save_file
 
 from ls_jax.configs import get_config

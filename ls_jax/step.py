@@ -104,6 +104,15 @@ class TrainFns:
     step_args: tuple[Any, dict]
 
 
+def init_compiler_options(mesh: jax.sharding.Mesh) -> dict | None:
+    """XLA options for compiling the state's initialisation on the mesh's platform. On CPU,
+    LLVM's optimisation of that program takes longer than the program runs (it runs once):
+    it is compiled unoptimised."""
+    if mesh.devices.flat[0].platform == "cpu":
+        return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    return None
+
+
 def compile_train_fns(cfg: Config, mesh: jax.sharding.Mesh, *,
                       tx: optax.GradientTransformation | None = None) -> TrainFns:
     """Parameters and optimizer moments split over fsdp (and tensor) by their logical axes,
@@ -117,7 +126,7 @@ def compile_train_fns(cfg: Config, mesh: jax.sharding.Mesh, *,
     state_sharding = sharding_lib.state_shardings(abstract, mesh)
     # the key is an argument, never a traced constant (create_model_and_optimizer says why)
     init = jax.jit(lambda key: nnx.state(create_model_and_optimizer(cfg, key=key, tx=tx)),
-                   out_shardings=state_sharding)
+                   out_shardings=state_sharding, compiler_options=init_compiler_options(mesh))
     batch_sharding = sharding_lib.batch_sharding(mesh)
     steps = {with_stats: jax.jit(make_train_step(graphdef, cfg, with_stats=with_stats),
                                  in_shardings=(state_sharding, batch_sharding),

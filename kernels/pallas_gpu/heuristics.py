@@ -14,7 +14,8 @@ import re
 import jax
 import jax.numpy as jnp
 
-from ls_jax.kernels.band import cdiv, is_global
+from ls_jax.kernels.band import cdiv
+from ls_jax.kernels.heads import split_heads
 from ls_jax.kernels.pallas_gpu.configs import (STRIP_BLOCK, HopperBackwardConfig,
                                                HopperForwardConfig, Launch, Launches,
                                                StripConfig, TritonConfig)
@@ -132,10 +133,10 @@ class Case:
         return len(self.windows)
 
     def global_heads(self) -> tuple[int, ...]:
-        return tuple(h for h, w in enumerate(self.windows) if is_global(w, self.seq_len))
+        return split_heads(self.windows, self.seq_len).global_heads
 
     def local_heads(self) -> tuple[int, ...]:
-        return tuple(h for h, w in enumerate(self.windows) if not is_global(w, self.seq_len))
+        return split_heads(self.windows, self.seq_len).local_heads
 
 
 def mosaic_takes(case: Case) -> bool:

@@ -80,23 +80,31 @@ class _DqProgram:
         self.dq_ref[b, rows, h, :] = (dq_QxD * self.scale).astype(self.dq_ref.dtype)
 
 
-def _dq_kernel(schedule_ref, window_ref, q_ref, k_ref, v_ref, *refs, path: TilePath,
-               num_slots: int, group: int, seq_len: int, score_scale: float, scale: float,
-               has_segments: bool, num_prefilled: int):
+def _program_refs(schedule_ref, refs, *, num_slots: int, has_segments: bool,
+                  num_prefilled: int):
+    """What both backward kernels start from: (segment ids' ref or None, the refs after q, k
+    and v, the batch row, the head (kv head for dK/dV) and the block slot of this program)."""
     segment_ref = None
     if has_segments:
         segment_ref, *refs = refs
     refs = refs[:3] + refs[3 + num_prefilled:]  # aliased inputs (unread) sit before the outputs
-    do_ref, o_ref, lse_ref, dq_ref, delta_out_ref = refs
-
-    b = pl.program_id(0)
     item = schedule_ref[pl.program_id(1)]
-    h = jax.lax.div(item, jnp.int32(num_slots))
+    return (segment_ref, refs, pl.program_id(0), jax.lax.div(item, jnp.int32(num_slots)),
+            jax.lax.rem(item, jnp.int32(num_slots)))
+
+
+def _dq_kernel(schedule_ref, window_ref, q_ref, k_ref, v_ref, *refs, path: TilePath,
+               num_slots: int, group: int, seq_len: int, score_scale: float, scale: float,
+               has_segments: bool, num_prefilled: int):
+    segment_ref, refs, b, h, slot = _program_refs(
+        schedule_ref, refs, num_slots=num_slots, has_segments=has_segments,
+        num_prefilled=num_prefilled)
+    do_ref, o_ref, lse_ref, dq_ref, delta_out_ref = refs
     program = _DqProgram(
         (q_ref, k_ref, v_ref, segment_ref, do_ref, o_ref, lse_ref, dq_ref, delta_out_ref),
         b=b, h=h, kv_head=jax.lax.div(h, jnp.int32(group)), window=window_ref[h],
         seq_len=seq_len, score_scale=score_scale, scale=scale, has_segments=has_segments)
-    program.one_block(path, jax.lax.rem(item, jnp.int32(num_slots)))
+    program.one_block(path, slot)
 
 
 class _DkdvProgram:
@@ -161,20 +169,15 @@ class _DkdvProgram:
 def _dkdv_kernel(schedule_ref, window_ref, q_ref, k_ref, v_ref, *refs, path: TilePath,
                  num_slots: int, group: int, seq_len: int, score_scale: float, scale: float,
                  has_segments: bool, num_prefilled: int):
-    segment_ref = None
-    if has_segments:
-        segment_ref, *refs = refs
-    refs = refs[:3] + refs[3 + num_prefilled:]  # aliased inputs (unread) sit before the outputs
+    segment_ref, refs, b, kv_head, slot = _program_refs(
+        schedule_ref, refs, num_slots=num_slots, has_segments=has_segments,
+        num_prefilled=num_prefilled)
     do_ref, lse_ref, delta_ref, dk_ref, dv_ref = refs
-
-    b = pl.program_id(0)
-    item = schedule_ref[pl.program_id(1)]
-    kv_head = jax.lax.div(item, jnp.int32(num_slots))
     program = _DkdvProgram(
         (window_ref, q_ref, k_ref, v_ref, segment_ref, do_ref, lse_ref, delta_ref, dk_ref,
          dv_ref), b=b, kv_head=kv_head, group=group, seq_len=seq_len,
         score_scale=score_scale, scale=scale, has_segments=has_segments)
-    program.one_block(path, jax.lax.rem(item, jnp.int32(num_slots)))
+    program.one_block(path, slot)
 
 
 def _path(config: TritonConfig, kernel: str, has_segments: bool) -> TilePath:

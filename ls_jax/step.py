@@ -107,7 +107,8 @@ class TrainFns:
 def init_compiler_options(mesh: jax.sharding.Mesh) -> dict | None:
     """XLA options for compiling the state's initialisation on the mesh's platform. On CPU,
     LLVM's optimisation of that program takes longer than the program runs (it runs once):
-    it is compiled unoptimised."""
+    it is compiled unoptimised. (A jit with compiler options runs at top level only: trace
+    ``TrainFns.init`` with ``init.trace(key)``, not inside another jit.)"""
     if mesh.devices.flat[0].platform == "cpu":
         return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
     return None

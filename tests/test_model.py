@@ -208,8 +208,13 @@ def test_remat_keeps_loss_and_gradients(remat):
     tokens = jax.random.randint(jax.random.key(9), (2, 12), 0, 64)
 
     def loss_and_grads(remat):
-        model = Transformer(ModelConfig(**SMALL, remat=remat), rngs=nnx.Rngs(0))
-        return nnx.value_and_grad(lambda m: lm_loss(m(tokens[:, :-1]), tokens[:, 1:])[0])(model)
+        graphdef, params = nnx.split(Transformer(ModelConfig(**SMALL, remat=remat),
+                                                 rngs=nnx.Rngs(0)), nnx.Param)
+
+        def loss(params):
+            model = nnx.merge(graphdef, params)
+            return lm_loss(model(tokens[:, :-1]), tokens[:, 1:])[0]
+        return jax.jit(jax.value_and_grad(loss))(params)
 
     want_loss, want_grads = loss_and_grads("none")
     loss, grads = loss_and_grads(remat)

@@ -174,9 +174,8 @@ class Transformer(nnx.Module):
         """The blocks as one ``jax.lax.scan`` over their stacked parameters, traced once (the
         block and its attention kernels are lowered once whatever the depth) and unrolled in
         the compiled program: XLA fuses and schedules across unrolled blocks, where a rolled
-        loop pays each step for slicing the stacked parameters and carrying its buffers, and
-        the blocks' identical kernels compile once. Returns (x, max_abs_logit [L, H] or None);
-        ``model.remat`` checkpoints each block."""
+        loop pays each step for slicing the stacked parameters and carrying its buffers.
+        Returns (x, max_abs_logit [L, H] or None); ``model.remat`` checkpoints each block."""
         graphdef, stacked = stack_blocks(self.blocks)
 
         def body(x_BxTxM, state):

@@ -10,7 +10,6 @@ import pytest
 from flax import nnx
 
 import ls_jax.attention as attention_lib
-import ls_jax.model as model_lib
 from ls_jax import LSAttention, ModelConfig, Transformer
 from ls_jax.checkpoint import Checkpointer
 from ls_jax.config import Config, DataConfig, TrainConfig

@@ -162,6 +162,28 @@ def test_decode_step_matches_the_loop(impl, block_s):
         np.testing.assert_array_equal(v, wv)
 
 
+@pytest.mark.parametrize("B, n_local, P", [(1, 5, 128), (64, 5, 128), (1, 11, 50),
+                                          (64, 11, 128), (3, 0, 0)])
+def test_decode_programs_each_read_their_own_group(B, n_local, P):
+    """Per group its own split: every program's share of its group holds at least one slot,
+    a head's splits cover its group's slots once, and a global head's 8320-slot history is
+    split over at least as many programs as its blocks or the programs the GPU wants."""
+    from ls_jax.kernels.pallas_gpu.decode import TARGET_PROGRAMS, programs
+
+    S, block_s = 8320, 64
+    group_of_head = [0] + [1] * n_local
+    slots = (S, P) if n_local else (S,)
+    table, plans = programs(B, len(group_of_head), group_of_head, slots, block_s)
+    for h, g in enumerate(group_of_head):
+        splits, per_split = plans[g]
+        starts = [sp * per_split * block_s for hh, sp in table if hh == h]
+        assert starts == [i * per_split * block_s for i in range(splits)]
+        assert all(start < slots[g] for start in starts)  # no empty share
+        assert splits * per_split * block_s >= slots[g]  # every slot in some share
+    global_programs = B * plans[0][0]
+    assert global_programs >= min(-(-S // block_s) * B, TARGET_PROGRAMS)
+
+
 def test_decode_step_bf16_cache_close_to_float32():
     q, k_new, v_new, q_pos, groups = step_case()
     ref, _ = step(q, k_new, v_new, q_pos, groups, STEP_WINDOWS, "reference")

@@ -1,13 +1,14 @@
 """Pallas GPU (Triton lowering) decode step: one new token per row, written into its cache
 groups and attended with every query head in one launch.
 
-``kernels.decode.decode_step_attention`` for GPUs. Flash-decoding: the grid is (row, query
-head, split); each program streams its share of its kv head's cache group in blocks of
-``block_s`` slots (masked loads, so no padding or copy of the cache), keeps an online softmax
-in float32 and writes a partial output with its running max and sum; a few XLA ops merge the
-splits. The split count is set by the largest group (a global head's full history), so that a
-batch-1 step has enough programs to fill the GPU; a program whose group has fewer blocks (a
-ring of a local head) finds its share empty and stops. Split 0 of each head also counts the
+``kernels.decode.decode_step_attention`` for GPUs. Flash-decoding: the grid is (row,
+program), a program being one (query head, split) pair of a static table; each program streams
+its share of its kv head's cache group in blocks of ``block_s`` slots (masked loads, so no
+padding or copy of the cache), keeps an online softmax in float32 and writes a partial output
+with its running max and sum; a few XLA ops merge the splits. Each group has its own split
+count (``_plan`` of its slots and heads), so a batch-1 step splits a global head's full
+history over enough programs to fill the GPU while a local head's ring gets one program per
+block it has, and no program has an empty share. Split 0 of each head also counts the
 new key (visible at offset 0), and split 0 of the first query head of each kv head writes the
 new key and value into the group's slot: the cache arrays are aliased to the outputs, so the
 write happens in place, and no program reads that slot (it is masked out), so the write races
@@ -19,6 +20,7 @@ elementwise products and sums.
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,22 +37,34 @@ TARGET_PROGRAMS = 528
 
 
 def _plan(B: int, heads: int, S: int, block_s: int, target_programs: int = TARGET_PROGRAMS):
-    """(splits, blocks per split) of the largest group: enough programs (rows x its query
-    heads x splits) to fill the GPU, no empty split."""
+    """(splits, blocks per split) of one group: enough programs (rows x its query heads x
+    splits) to fill the GPU, no empty split."""
     blocks = -(-S // block_s)
     splits = max(1, min(blocks, -(-target_programs // (B * heads))))
     per_split = -(-blocks // splits)
     return -(-blocks // per_split), per_split
 
 
+def programs(B: int, Hq: int, group_of_head: Sequence[int], slots: Sequence[int],
+             block_s: int) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """(the (query head, split) of each program of a row, the (splits, blocks per split) of
+    each group): group i (``slots[i]`` slots, the query heads h with ``group_of_head[h] == i``)
+    is split by ``_plan``, so every program's share holds at least one slot of its group."""
+    plans = tuple(_plan(B, sum(1 for g in group_of_head if g == i), S, block_s)
+                  for i, S in enumerate(slots))
+    table = tuple((h, sp) for h in range(Hq) for sp in range(plans[group_of_head[h]][0]))
+    return table, plans
+
+
 def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split: tuple[int, ...],
                  block_s: int, group: int, scale: float):
-    q_ref, kn_ref, vn_ref, qpos_ref, win_ref, grp_ref, head_ref = refs[:7]
-    group_refs = [refs[7 + 4 * i: 11 + 4 * i] for i in range(n_groups)]
-    acc_ref, m_ref, l_ref = refs[7 + 4 * n_groups: 10 + 4 * n_groups]
-    out_refs = [refs[10 + 4 * n_groups + 2 * i: 12 + 4 * n_groups + 2 * i]
+    q_ref, kn_ref, vn_ref, qpos_ref, win_ref, grp_ref, head_ref, ph_ref, ps_ref = refs[:9]
+    group_refs = [refs[9 + 4 * i: 13 + 4 * i] for i in range(n_groups)]
+    acc_ref, m_ref, l_ref = refs[9 + 4 * n_groups: 12 + 4 * n_groups]
+    out_refs = [refs[12 + 4 * n_groups + 2 * i: 14 + 4 * n_groups + 2 * i]
                 for i in range(n_groups)]
-    b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, j = pl.program_id(0), pl.program_id(1)
+    h, sp = ph_ref[j], ps_ref[j]  # this program's query head and split
     D = q_ref.shape[-1]
     kv = jax.lax.div(h, jnp.int32(group))  # the new token's kv head that query head h reads
     q_D = plgpu.load(q_ref.at[b, h, pl.ds(0, D)]).astype(jnp.float32) * scale
@@ -126,34 +140,41 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
     grp_H = np.array([where[h // group][0] for h in range(Hq)], np.int32)
     head_H = np.array([where[h // group][1] for h in range(Hq)], np.int32)
     slots = tuple(int(k.shape[1]) for k, _, _, _ in groups)
-    largest = int(np.argmax(slots))
     block_s = min(block_s, max(16, 1 << (max(slots) - 1).bit_length()))
-    splits, _ = _plan(B, int(np.sum(grp_H == largest)), slots[largest], block_s)
-    per_split = tuple(-(-blocks // splits) for blocks in (-(-S // block_s) for S in slots))
+    table, plans = programs(B, Hq, grp_H.tolist(), slots, block_s)
+    splits, per_split = zip(*plans)
     n = len(groups)
     kernel = functools.partial(_step_kernel, n_groups=n, slots=slots,
                                blocks_per_split=per_split, block_s=block_s, group=group,
                                scale=scale)
     flat = [x for g in groups for x in g]
-    out_shape = [jax.ShapeDtypeStruct((B, splits, Hq, D), jnp.float32),
-                 jax.ShapeDtypeStruct((B, splits, Hq), jnp.float32),
-                 jax.ShapeDtypeStruct((B, splits, Hq), jnp.float32)]
+    most = max(splits)
+    out_shape = [jax.ShapeDtypeStruct((B, most, Hq, D), jnp.float32),
+                 jax.ShapeDtypeStruct((B, most, Hq), jnp.float32),
+                 jax.ShapeDtypeStruct((B, most, Hq), jnp.float32)]
     aliases = {}
     for i, (k, v, _, _) in enumerate(groups):
-        aliases[7 + 4 * i] = len(out_shape)
+        aliases[9 + 4 * i] = len(out_shape)
         out_shape.append(jax.ShapeDtypeStruct(k.shape, k.dtype))
-        aliases[8 + 4 * i] = len(out_shape)
+        aliases[10 + 4 * i] = len(out_shape)
         out_shape.append(jax.ShapeDtypeStruct(v.shape, v.dtype))
     acc, m, l, *caches = pl.pallas_call(
         kernel,
-        grid=(B, Hq, splits),
+        grid=(B, len(table)),
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="ls_decode_step",
     )(q, k_new, v_new, q_pos, jnp.asarray(window_array(window_sizes)), jnp.asarray(grp_H),
-      jnp.asarray(head_H), *flat)
+      jnp.asarray(head_H), jnp.asarray(np.array([h for h, _ in table], np.int32)),
+      jnp.asarray(np.array([sp for _, sp in table], np.int32)), *flat)
+    # split sp of head h exists iff its group has more than sp splits; the others are never
+    # written (their memory is undefined), so they are selected out, not multiplied by 0
+    launched = np.arange(most)[:, None] < np.array(splits)[grp_H][None, :]  # [splits, Hq]
+    m = jnp.where(launched, m, _NEG)
+    l = jnp.where(launched, l, 0.0)
+    acc = jnp.where(launched[..., None], acc, 0.0)
     m_max = jnp.max(m, axis=1, keepdims=True)
     w = jnp.where(l > 0, jnp.exp(m - m_max), 0.0)
     denom = jnp.sum(l * w, axis=1)

@@ -168,9 +168,9 @@ def test_decode_programs_each_read_their_own_group(B, n_local, P):
     """Per group its own split: every program's share of its group holds at least one slot,
     a head's splits cover its group's slots once, and a global head's 8320-slot history is
     split over at least as many programs as its blocks or the programs the GPU wants."""
-    from ls_jax.kernels.pallas_gpu.decode import TARGET_PROGRAMS, programs
+    from ls_jax.kernels.pallas_gpu.decode import BLOCK_S, TARGET_PROGRAMS, programs
 
-    S, block_s = 8320, 64
+    S, block_s = 8320, BLOCK_S
     group_of_head = [0] + [1] * n_local
     slots = (S, P) if n_local else (S,)
     table, plans = programs(B, len(group_of_head), group_of_head, slots, block_s)
@@ -194,12 +194,23 @@ def test_decode_step_bf16_cache_close_to_float32():
     assert all(k.dtype == jnp.bfloat16 and v.dtype == jnp.bfloat16 for k, v in kv)
 
 
-def test_pallas_decode_step_lowers_to_triton_for_an_h100():
+@pytest.mark.parametrize("D", [16, 32, 64, 128, 256])
+def test_decode_warps_bound_the_registers_per_thread(D):
+    from ls_jax.kernels.pallas_gpu.decode import BLOCK_S, num_warps
+
+    warps = num_warps(D)
+    assert warps >= 2
+    assert BLOCK_S * D / (32 * warps) <= 128  # tile elements per thread
+
+
+@pytest.mark.parametrize("D, S_global", [(32, 37),  # one block of 64 (the clamp)
+                                         (64, 300)])  # three blocks of 128, two warps
+def test_pallas_decode_step_lowers_to_triton_for_an_h100(D, S_global):
     """The kernel's Triton lowering (jaxpr -> Triton IR, run by JAX in Python) for an abstract
     H100, without a GPU: what interpret mode does not exercise."""
     from ls_jax.kernels.pallas_gpu.decode import pallas_gpu_decode_step
 
-    q, k_new, v_new, q_pos, groups = step_case(D=32)
+    q, k_new, v_new, q_pos, groups = step_case(S_global=S_global, D=D)
     args = [x.astype(jnp.bfloat16) for x in (q, k_new, v_new)]
     flat = tuple((g.k.astype(jnp.bfloat16), g.v.astype(jnp.bfloat16), g.k_pos, g.slot_B)
                  for g in groups)

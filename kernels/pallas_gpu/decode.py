@@ -34,6 +34,15 @@ _NEG = -1e30
 # Programs a step should have at least, so that a batch-1 step keeps every SM of a large GPU
 # busy (a few programs per SM hide the load latency of the next block).
 TARGET_PROGRAMS = 528
+# Slots a program loads per iteration: a step is bound by memory bandwidth, and 128 slots of
+# keys and values keep enough bytes in flight per program for it.
+BLOCK_S = 128
+
+
+def num_warps(D: int) -> int:
+    """A warp per 32 columns of the head, at least two: each thread then holds at most 128
+    elements of a [BLOCK_S, D] tile (more spill registers)."""
+    return max(2, D // 32)
 
 
 def _plan(B: int, heads: int, S: int, block_s: int, target_programs: int = TARGET_PROGRAMS):
@@ -124,9 +133,9 @@ def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split:
 
 
 @functools.partial(jax.jit, static_argnames=("kv_heads", "window_sizes", "scale", "interpret",
-                                             "block_s", "num_warps"))
+                                             "block_s"))
 def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_sizes, scale,
-                           interpret=False, block_s: int = 64, num_warps: int = 4):
+                           interpret=False, block_s: int = BLOCK_S):
     """``kernels.decode.decode_step_attention`` (validated inputs): q [B, Hq, D], k/v_new
     [B, Hkv, D], q_pos [B], groups ((k, v [B, S, G, D], k_pos [B, S], slot [B]), ...) with
     kv_heads ((kv heads of each group), ...). Returns (out [B, Hq, D], ((k, v), ...))."""
@@ -163,7 +172,7 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
         grid=(B, len(table)),
         out_shape=out_shape,
         input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps(D), num_stages=2),
         interpret=interpret,
         name="ls_decode_step",
     )(q, k_new, v_new, q_pos, jnp.asarray(window_array(window_sizes)), jnp.asarray(grp_H),

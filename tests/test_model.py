@@ -117,14 +117,17 @@ def test_logit_stats_are_requested_from_the_kernel_only_when_asked(monkeypatch):
     np.testing.assert_array_equal(plain, with_stats)
 
 
+# make test: the options of the model's attention in one model (one compile); make test-all:
+# each option alone, and those of the rest of the model
 @pytest.mark.parametrize("options", [
-    dict(pos_embedding="rope"),
-    dict(qk_norm=True),
+    dict(pos_embedding="rope", qk_norm=True, n_kv_head=2),
+    pytest.param(dict(pos_embedding="rope"), marks=pytest.mark.slow),
+    pytest.param(dict(qk_norm=True), marks=pytest.mark.slow),
     pytest.param(dict(tie_embeddings=True), marks=pytest.mark.slow),
-    dict(n_kv_head=2),
+    pytest.param(dict(n_kv_head=2), marks=pytest.mark.slow),
     pytest.param(dict(use_bias=True), marks=pytest.mark.slow),
     pytest.param(dict(compute_dtype="bfloat16"), marks=pytest.mark.slow),
-])
+], ids=["rope-qk_norm-gqa", "rope", "qk_norm", "tie_embeddings", "gqa", "bias", "bf16"])
 def test_model_options_train(options):
     """Each option builds, gives a finite loss and a gradient step lowers the loss."""
     cfg = ModelConfig(**SMALL, **options)

@@ -1,6 +1,7 @@
 """The Flax NNX model: LSAttention alone, the Transformer, its options and its logit stats, the
 scan over its blocks, and checkpoints of the model as it was before the scan."""
 
+import functools
 import os
 
 import jax
@@ -226,7 +227,8 @@ def test_compile_work_is_flat_in_depth(remat):
     layers."""
     def counts(n_layer):
         cfg = ModelConfig(**{**SMALL, "n_layer": n_layer}, remat=remat)
-        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        # shapes only: the jaxprs are traced, nothing runs
+        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
         tokens = jnp.zeros((1, 8), jnp.int32)
         loss = lambda m: lm_loss(m(tokens[:, :-1]), tokens[:, 1:])[0]
         graphdef, params = nnx.split(model)
@@ -237,21 +239,22 @@ def test_compile_work_is_flat_in_depth(remat):
     assert counts(2) == counts(6)
 
 
+@functools.cache  # the "none" baseline: computed once for both policies
+def remat_loss_and_grads(remat):
+    tokens = jax.random.randint(jax.random.key(9), (2, 12), 0, 64)
+    graphdef, params = nnx.split(Transformer(ModelConfig(**SMALL, remat=remat),
+                                             rngs=nnx.Rngs(0)), nnx.Param)
+
+    def loss(params):
+        model = nnx.merge(graphdef, params)
+        return lm_loss(model(tokens[:, :-1]), tokens[:, 1:])[0]
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_keeps_loss_and_gradients(remat):
-    tokens = jax.random.randint(jax.random.key(9), (2, 12), 0, 64)
-
-    def loss_and_grads(remat):
-        graphdef, params = nnx.split(Transformer(ModelConfig(**SMALL, remat=remat),
-                                                 rngs=nnx.Rngs(0)), nnx.Param)
-
-        def loss(params):
-            model = nnx.merge(graphdef, params)
-            return lm_loss(model(tokens[:, :-1]), tokens[:, 1:])[0]
-        return jax.jit(jax.value_and_grad(loss))(params)
-
-    want_loss, want_grads = loss_and_grads("none")
-    loss, grads = loss_and_grads(remat)
+    want_loss, want_grads = remat_loss_and_grads("none")
+    loss, grads = remat_loss_and_grads(remat)
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -93,8 +93,8 @@ def _batches(n_steps: int, batch: int, seq_len: int):
 
 def case_train(impl: str, meshes: str):
     """Losses of 3 steps of the run's jitted step (ls_jax.step.compile_train_fns) on each mesh
-    ("DxFxT"); on the last mesh also the shardings of params, optimizer state and batch, and
-    the all-gathers of activations in the compiled step."""
+    ("DxFxT", over the first D x F x T devices); on the last mesh also the shardings of params,
+    optimizer state and batch, and the all-gathers of activations in the compiled step."""
     from flax import nnx
 
     from ls_jax import sharding as sharding_lib
@@ -111,7 +111,7 @@ def case_train(impl: str, meshes: str):
     for mesh_spec in mesh_specs:
         d, f, t = mesh_spec.split("x")
         cfg = micro(f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.tensor={t}", *extra)
-        mesh = sharding_lib.make_mesh(cfg.mesh)
+        mesh = sharding_lib.make_mesh(cfg.mesh, jax.devices()[:int(d) * int(f) * int(t)])
         with jax.set_mesh(mesh):
             fns = compile_train_fns(cfg, mesh)
             state = fns.init(init_key(cfg))

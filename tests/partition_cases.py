@@ -1,6 +1,7 @@
 """Cases for tests/test_partitioning.py, run in a subprocess with 8 fake CPU devices (XLA_FLAGS
 must be set before JAX starts). ``python tests/partition_cases.py CASE ARGS`` prints one JSON
-line last.
+line last; ``CASE ARGS + CASE ARGS ...`` runs the cases in turn in the one process and prints
+the list of their results.
 
 Each case compares ``ls_attention`` on sharded inputs with the same call on one device
 (output, logit statistics, gradients of q, k, v) and counts the all-gathers of q, k, v (or of
@@ -120,7 +121,8 @@ def _vmap():
 
     grad = jax.grad(loss, argnums=(0, 1, 2))
     mapped = jax.jit(jax.vmap(grad))(qs, ks, vs, dos)
-    looped = [jnp.stack(g) for g in zip(*(grad(qs[i], ks[i], vs[i], dos[i]) for i in range(2)))]
+    one = jax.jit(grad)
+    looped = [jnp.stack(g) for g in zip(*(one(qs[i], ks[i], vs[i], dos[i]) for i in range(2)))]
     return max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(mapped, looped))
 
 
@@ -160,5 +162,11 @@ def case_readme():
 
 
 if __name__ == "__main__":
-    result = globals()[f"case_{sys.argv[1]}"](*sys.argv[2:])
-    print(json.dumps(result), flush=True)
+    calls = [[]]
+    for arg in sys.argv[1:]:
+        if arg == "+":
+            calls.append([])
+        else:
+            calls[-1].append(arg)
+    results = [globals()[f"case_{name}"](*args) for name, *args in calls]
+    print(json.dumps(results[0] if len(results) == 1 else results), flush=True)

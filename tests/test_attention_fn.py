@@ -48,13 +48,14 @@ def qkv(kv_heads=HEADS, batch=(2,)):
 @pytest.mark.parametrize("kv_heads", [HEADS, 2])
 def test_fn_matches_masked_softmax(kv_heads):
     q, k, v = qkv(kv_heads)
-    out = make_attention_fn(WINDOWS)(q, k, v)
+    out = jax.jit(make_attention_fn(WINDOWS))(q, k, v)
     np.testing.assert_allclose(out, masked_softmax_attention(q, k, v, WINDOWS), rtol=1e-5, atol=1e-5)
 
 
 def test_fn_extra_batch_dims_and_dtype():
     q, k, v = qkv(batch=(2, 3))
-    out = make_attention_fn(WINDOWS)(q, k, v, dtype=jnp.bfloat16)
+    out = jax.jit(make_attention_fn(WINDOWS), static_argnames="dtype")(q, k, v,
+                                                                      dtype=jnp.bfloat16)
     assert out.shape == q.shape and out.dtype == jnp.bfloat16
     ref = masked_softmax_attention(q.reshape(6, T, HEADS, HEAD_DIM), k.reshape(6, T, HEADS, HEAD_DIM),
                                    v.reshape(6, T, HEADS, HEAD_DIM), WINDOWS)
@@ -66,15 +67,19 @@ def test_in_nnx_multi_head_attention():
     layer = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, attention_fn=fn,
                                    decode=False, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, T, FEATURES))
-    out = layer(x, is_causal=True)
+    # the layer's calls jitted (one compile each); a mask is a concrete array, closed over
+    out = nnx.jit(lambda layer, x: layer(x, is_causal=True))(layer, x)
     # reference: the same layer with Flax's own attention and the window mask written out
     layer.attention_fn = nnx.dot_product_attention
-    ref = layer(x, mask=jnp.asarray(window_mask(T, WINDOWS))[None])
+    mask = jnp.asarray(window_mask(T, WINDOWS))[None]
+    ref = nnx.jit(lambda layer, x: layer(x, mask=mask))(layer, x)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     # a causal mask written out is accepted, as a concrete array
     layer.attention_fn = fn
     causal = jnp.tril(jnp.ones((T, T), bool))[None, None]
-    np.testing.assert_allclose(layer(x, mask=causal, is_causal=True), out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        nnx.jit(lambda layer, x: layer(x, mask=causal, is_causal=True))(layer, x), out,
+        rtol=1e-6, atol=1e-6)
 
 
 def test_in_linen_multi_head_dot_product_attention():
@@ -82,10 +87,11 @@ def test_in_linen_multi_head_dot_product_attention():
     ours = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=make_attention_fn(WINDOWS))
     flax_own = nn.MultiHeadDotProductAttention(num_heads=HEADS)
     params = flax_own.init(jax.random.key(2), x)
-    ref = flax_own.apply(params, x, mask=jnp.asarray(window_mask(T, WINDOWS))[None])
-    np.testing.assert_allclose(ours.apply(params, x), ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(ours.apply(params, x, mask=nn.make_causal_mask(x[..., 0])), ref,
-                               rtol=1e-5, atol=1e-5)
+    mask = jnp.asarray(window_mask(T, WINDOWS))[None]
+    ref = jax.jit(lambda params, x: flax_own.apply(params, x, mask=mask))(params, x)
+    causal = nn.make_causal_mask(x[..., 0])  # concrete, closed over
+    np.testing.assert_allclose(jax.jit(lambda params, x: ours.apply(params, x, mask=causal))(
+        params, x), ref, rtol=1e-5, atol=1e-5)
     # jit works with mask=None
     np.testing.assert_allclose(jax.jit(ours.apply)(params, x), ref, rtol=1e-5, atol=1e-5)
 

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from ls_jax.kernels import cudnn
-from ls_jax.kernels.reference import reference_attention_parts, reference_backend
+from ls_jax.kernels.reference import reference_attention_parts
+
+from jitted_reference import reference_vjp  # tests/, beside this file
 
 SCALE = 0.3
 T = 24
@@ -63,15 +65,14 @@ def test_matches_reference_forward_and_backward(calls, H, G, windows, want_calls
     q, k, v, do = inputs(H, G)
     run = backend(windows)
 
-    def ref(q, k, v):
-        return reference_backend(q, k, v, window_sizes=windows, segment_ids=None, scale=SCALE,
-                                 return_logit_stats=False, interpret=False)[0]
+    @jax.jit
+    def forward_and_backward(q, k, v, do):
+        out, vjp = jax.vjp(run, q, k, v)
+        return out, vjp(do)
 
-    out, vjp = jax.vjp(run, q, k, v)
+    out, grads = forward_and_backward(q, k, v, do)
     assert calls == want_calls
-    want, want_vjp = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)))
-    grads = vjp(do)
-    want_grads = want_vjp(do.astype(jnp.float32))
+    want, _, want_grads = reference_vjp(q, k, v, do, windows, None, SCALE)
     for got, ref_value in zip((out, *grads), (want, *want_grads)):
         got = np.asarray(got, np.float32)
         err = np.linalg.norm(got - ref_value) / np.linalg.norm(ref_value)

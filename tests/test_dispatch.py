@@ -101,14 +101,17 @@ def test_ls_attention_follows_the_rule(monkeypatch):
         picked.append(implementation)
         return reference_backend
 
+    def call(*args, **kwargs):  # traced: the pick is made while tracing, nothing compiled
+        return jax.eval_shape(lambda q: ls_attention(q, q, q, *args, **kwargs), q)
+
     q = jnp.ones((1, 16, 2, 8), jnp.bfloat16)
     monkeypatch.setattr(api, "get_backend", fake_get_backend)
     monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
-    ls_attention(q, q, q, (None, 16))
-    ls_attention(q, q, q, (None, 4))
-    ls_attention(q, q, q, (None, None), return_logit_stats=True)
-    ls_attention(q, q, q, (None, None), segment_ids=jnp.zeros((1, 16), jnp.int32))
-    ls_attention(q, q, q, (None, None), implementation="reference")
+    call((None, 16))
+    call((None, 4))
+    call((None, None), return_logit_stats=True)
+    call((None, None), segment_ids=jnp.zeros((1, 16), jnp.int32))
+    call((None, None), implementation="reference")
     # a long LS mix, traced abstractly (nothing of that size is allocated)
     jax.eval_shape(lambda q: ls_attention(q, q, q, (None, 128)),
                    jax.ShapeDtypeStruct((1, 32768, 2, 128), jnp.bfloat16))
@@ -117,8 +120,8 @@ def test_ls_attention_follows_the_rule(monkeypatch):
     monkeypatch.setattr(dispatch, "current_platform", lambda: "rocm")
     with pytest.raises(ValueError, match=r"implementation: no default backend on platform "
                                          r"'rocm'"):
-        ls_attention(q, q, q, (None, 4))
-    ls_attention(q, q, q, (None, 4), implementation="reference")  # an explicit choice works
+        call((None, 4))
+    call((None, 4), implementation="reference")  # an explicit choice works
 
 
 @pytest.mark.parametrize("hopper", [True, False])
@@ -166,8 +169,9 @@ def test_ls_attention_pairs_backends_by_direction(monkeypatch):
     monkeypatch.setattr(heuristics, "current_gpu",
                         lambda interpret=False: heuristics.Gpu(hopper=True, sms=132))
     q = jax.random.normal(jax.random.key(1), (1, 2048, 2, 64), jnp.bfloat16)
-    want = reference_backend(q, q, q, window_sizes=(None, None), segment_ids=None, scale=0.125,
-                             return_logit_stats=False, interpret=False)[0].astype(jnp.float32)
+    want = jax.jit(lambda q: reference_backend(  # jitted: one compile, not one per operation
+        q, q, q, window_sizes=(None, None), segment_ids=None, scale=0.125,
+        return_logit_stats=False, interpret=False)[0].astype(jnp.float32))(q)
 
     def f(q):
         return ls_attention(q, q, q, (None, None))

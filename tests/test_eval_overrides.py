@@ -21,12 +21,10 @@ from ls_jax.evaluate import evaluate_checkpoint
 from ls_jax.model import Transformer
 from ls_jax.train import train
 
-MICRO = [
-    "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.head_dim=16", "model.window=8",
-    "model.max_seq_len=32", "data.seq_len=32", "data.shuffle_window=16", "train.batch_size=2",
-    "train.warmup_steps=1", "train.num_steps=2", "train.save_every=2", "train.eval_batches=1",
-    "train.progress=false", "train.async_checkpoints=false",
-]
+import test_train  # tests/, beside this file
+
+# the training tests' 2-step run: its compiled programs are theirs (the compilation cache)
+MICRO = [*test_train.MICRO, "train.num_steps=2", "train.save_every=2"]
 
 
 @pytest.fixture(autouse=True)

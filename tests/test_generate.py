@@ -179,8 +179,9 @@ def test_cache_bytes_match_the_formula(dtype):
     H, p, T, D, L, B = 6, 5, 40, 8, 3, 2
     kw = dict(vocab_size=16, n_layer=L, d_model=16, n_head=H, head_dim=D, window=p,
               max_seq_len=T)
-    ls = Transformer(ModelConfig(n_global_heads=1, **kw), rngs=nnx.Rngs(0))
-    mhsa = Transformer(ModelConfig(n_global_heads=H, **kw), rngs=nnx.Rngs(0))
+    # the cache comes from the config: models of abstract parameters (none drawn)
+    ls, mhsa = (nnx.eval_shape(lambda: Transformer(ModelConfig(n_global_heads=g, **kw),
+                                                   rngs=nnx.Rngs(0))) for g in (1, H))
     ls_cache, mhsa_cache = ls.init_cache(B, T, dtype), mhsa.init_cache(B, T, dtype)
     item = jnp.dtype(dtype).itemsize
     # by hand: k and v per layer; LS: 1 head x T slots + 5 heads x p slots; MHSA: 6 heads x T

@@ -32,19 +32,23 @@ def test_linen_matches_nnx(options):
         nnx_layer.k_norm.scale[...] = 1.0 - 0.2 * jax.random.normal(jax.random.key(8), (HEAD_DIM,))
     x_BxTxM = jax.random.normal(jax.random.key(2), (2, T, D_MODEL))
     linen_layer = LinenAttention(**kwargs)
-    linen_params = linen_layer.init(jax.random.key(3), x_BxTxM)["params"]
+    linen_params = jax.jit(linen_layer.init)(jax.random.key(3), x_BxTxM)["params"]
     nnx_tree = nnx_params_as_linen_tree(nnx_layer)
 
     # the same parameter names and shapes
     shapes = lambda tree: jax.tree.map(lambda a: a.shape, tree)
     assert shapes(linen_params) == shapes(nnx_tree)
 
-    y_nnx, stats_nnx = nnx_layer(x_BxTxM, return_logit_stats=True)
-    y_linen, stats_linen = linen_layer.apply({"params": nnx_tree}, x_BxTxM, return_logit_stats=True)
+    # the calls jitted: one compile each instead of one per operation
+    y_nnx, stats_nnx = nnx.jit(lambda layer, x: layer(x, return_logit_stats=True))(
+        nnx_layer, x_BxTxM)
+    apply = jax.jit(lambda params, x: linen_layer.apply({"params": params}, x,
+                                                        return_logit_stats=True))
+    y_linen, stats_linen = apply(nnx_tree, x_BxTxM)
     np.testing.assert_allclose(np.asarray(y_linen), np.asarray(y_nnx), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.asarray(stats_linen), np.asarray(stats_nnx), rtol=1e-6)
     # and the output is not trivially equal to what the Linen init would give
-    y_own = linen_layer.apply({"params": linen_params}, x_BxTxM)
+    y_own, _ = apply(linen_params, x_BxTxM)
     assert not np.allclose(np.asarray(y_own), np.asarray(y_nnx))
 
 

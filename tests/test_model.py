@@ -1,6 +1,7 @@
 """The Flax NNX model: LSAttention alone, the Transformer, its options and its logit stats, the
 scan over its blocks, and checkpoints of the model as it was before the scan."""
 
+import functools
 import os
 
 import jax
@@ -19,15 +20,35 @@ from ls_jax.state import abstract_train_state, restore_model
 
 SMALL = dict(vocab_size=64, n_layer=2, d_model=32, n_head=4, head_dim=8, window=4, max_seq_len=64)
 
+# The model's calls below run jitted: one compiled program for a call instead of one for each
+# operation, as an eager call compiles them (the model's parameters are initialised eagerly:
+# their draws repeat shapes from one test to the next, which an eager call reuses).
+forward = nnx.jit(lambda model, tokens: model(tokens))
+forward_with_stats = nnx.jit(lambda model, tokens: model(tokens, return_stats=True))
+
+
+def changed(tokens, at):
+    """The tokens with the one of the first row at position ``at`` replaced."""
+    tokens = np.array(tokens)
+    tokens[0, at] = (tokens[0, at] + 1) % 64
+    return tokens
+
 
 def test_lsattention_all_global_is_plain_causal_mhsa():
     attn = LSAttention(32, 4, 8, n_global_heads=4, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 19, 32))
-    y, stats = attn(x, return_logit_stats=True)
-    q = attn.q_proj(x).reshape(2, 19, 4, 8)
-    k = attn.k_proj(x).reshape(2, 19, 4, 8)
-    v = attn.v_proj(x).reshape(2, 19, 4, 8)
-    want = attn.o_proj(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(2, 19, 32))
+
+    @nnx.jit
+    def run(attn, x):
+        y, stats = attn(x, return_logit_stats=True)
+        q = attn.q_proj(x).reshape(2, 19, 4, 8)
+        k = attn.k_proj(x).reshape(2, 19, 4, 8)
+        v = attn.v_proj(x).reshape(2, 19, 4, 8)
+        want = attn.o_proj(
+            jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(2, 19, 32))
+        return y, stats, want, q, k
+
+    y, stats, want, q, k = run(attn, x)
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
     logits = np.einsum("bihd,bjhd->bhij", q, k) / np.sqrt(8)
     causal = np.tril(np.ones((19, 19), bool))
@@ -51,11 +72,11 @@ def test_causality_and_local_receptive_field():
     cfg = ModelConfig(**{**SMALL, "window": 3}, n_global_heads=0, pos_embedding="rope")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(2), (1, 20), 0, 64)
-    base = model(tokens)
-    changed_future = model(tokens.at[0, 12].set((tokens[0, 12] + 1) % 64))
+    base = forward(model, tokens)
+    changed_future = forward(model, changed(tokens, 12))
     np.testing.assert_array_equal(base[0, :12], changed_future[0, :12])
     assert not np.allclose(base[0, 12], changed_future[0, 12])
-    changed_past = model(tokens.at[0, 5].set((tokens[0, 5] + 1) % 64))
+    changed_past = forward(model, changed(tokens, 5))
     np.testing.assert_allclose(base[0, 10:], changed_past[0, 10:], rtol=1e-6, atol=1e-6)
     assert not np.allclose(base[0, 9], changed_past[0, 9])  # 9 - 5 = 4 = 2 * (3 - 1): reached
 
@@ -64,19 +85,18 @@ def test_global_head_sees_far_past():
     cfg = ModelConfig(**{**SMALL, "window": 2}, n_global_heads=1, pos_embedding="rope")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(3), (1, 30), 0, 64)
-    changed = model(tokens.at[0, 0].set((tokens[0, 0] + 1) % 64))
-    assert not np.allclose(model(tokens)[0, -1], changed[0, -1])
+    assert not np.allclose(forward(model, tokens)[0, -1], forward(model, changed(tokens, 0))[0, -1])
 
 
 def test_stats_shapes_and_lm_head_max():
     cfg = ModelConfig(**SMALL, n_global_heads=1)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(4), (3, 17), 0, 64)
-    logits, stats = model(tokens, return_stats=True)
+    logits, stats = forward_with_stats(model, tokens)
     assert logits.shape == (3, 17, 64) and logits.dtype == jnp.float32
     assert stats["attn_max_abs_logit"].shape == (2, 4)
     assert np.all(np.asarray(stats["attn_max_abs_logit"]) > 0)
-    assert float(stats["lm_head_max_abs_logit"]) == pytest.approx(float(jnp.abs(logits).max()))
+    assert float(stats["lm_head_max_abs_logit"]) == pytest.approx(float(np.abs(logits).max()))
 
 
 def test_logit_stats_are_requested_from_the_kernel_only_when_asked(monkeypatch):
@@ -90,44 +110,53 @@ def test_logit_stats_are_requested_from_the_kernel_only_when_asked(monkeypatch):
     monkeypatch.setattr(attention_lib, "ls_attention", recording)
     model = Transformer(ModelConfig(**SMALL, n_global_heads=1), rngs=nnx.Rngs(0))
     tokens = jnp.zeros((1, 9), jnp.int32)
-    plain = model(tokens)
+    # jitted afresh here: a call of the module's jitted functions may reuse an earlier trace
+    plain = nnx.jit(lambda model, tokens: model(tokens))(model, tokens)
     assert asked == [False]  # the scan traces the block once; no statistics asked
-    with_stats, _ = model(tokens, return_stats=True)
+    with_stats, _ = nnx.jit(lambda model, tokens: model(tokens, return_stats=True))(model, tokens)
     assert asked == [False, True]
     np.testing.assert_array_equal(plain, with_stats)
 
 
+# make test: the options of the model's attention in one model (one compile); make test-all:
+# each option alone, and those of the rest of the model
 @pytest.mark.parametrize("options", [
-    dict(pos_embedding="rope"),
-    dict(qk_norm=True),
+    dict(pos_embedding="rope", qk_norm=True, n_kv_head=2),
+    pytest.param(dict(pos_embedding="rope"), marks=pytest.mark.slow),
+    pytest.param(dict(qk_norm=True), marks=pytest.mark.slow),
     pytest.param(dict(tie_embeddings=True), marks=pytest.mark.slow),
-    dict(n_kv_head=2),
+    pytest.param(dict(n_kv_head=2), marks=pytest.mark.slow),
     pytest.param(dict(use_bias=True), marks=pytest.mark.slow),
     pytest.param(dict(compute_dtype="bfloat16"), marks=pytest.mark.slow),
-])
+], ids=["rope-qk_norm-gqa", "rope", "qk_norm", "tie_embeddings", "gqa", "bias", "bf16"])
 def test_model_options_train(options):
     """Each option builds, gives a finite loss and a gradient step lowers the loss."""
     cfg = ModelConfig(**SMALL, **options)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, 64)
 
-    def loss_fn(m):
-        return lm_loss(m(tokens[:, :-1]), tokens[:, 1:])[0]
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    loss0, grads = nnx.value_and_grad(loss_fn)(model)
+    def loss_fn(params):
+        return lm_loss(nnx.merge(graphdef, params, rest)(tokens[:, :-1]), tokens[:, 1:])[0]
+
+    @jax.jit
+    def before_and_after_a_step(params):
+        loss0, grads = jax.value_and_grad(loss_fn)(params)
+        return loss0, loss_fn(jax.tree.map(lambda p, g: p - 0.5 * g, params, grads))
+
+    loss0, loss1 = before_and_after_a_step(params)
     assert np.isfinite(loss0)
-    params = nnx.state(model, nnx.Param)
-    nnx.update(model, jax.tree.map(lambda p, g: p - 0.5 * g, params, nnx.state(grads, nnx.Param)))
-    assert loss_fn(model) < loss0
+    assert loss1 < loss0
 
 
 def test_bf16_compute_close_to_fp32():
     cfg32 = ModelConfig(**SMALL)
     cfg16 = ModelConfig(**SMALL, compute_dtype="bfloat16")
     tokens = jax.random.randint(jax.random.key(6), (2, 16), 0, 64)
-    a = Transformer(cfg32, rngs=nnx.Rngs(0))(tokens)
-    b = Transformer(cfg16, rngs=nnx.Rngs(0))(tokens)
-    assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) < 2e-2
+    a = np.asarray(forward(Transformer(cfg32, rngs=nnx.Rngs(0)), tokens))
+    b = np.asarray(forward(Transformer(cfg16, rngs=nnx.Rngs(0)), tokens))
+    assert float(np.linalg.norm(a - b) / np.linalg.norm(a)) < 2e-2
 
 
 def test_learned_positions_reject_too_long_input():
@@ -139,8 +168,9 @@ def test_learned_positions_reject_too_long_input():
 def test_z_loss_term():
     logits = jax.random.normal(jax.random.key(7), (2, 5, 11)) * 3
     targets = jnp.zeros((2, 5), jnp.int32)
-    plain, parts = lm_loss(logits, targets)
-    with_z, _ = lm_loss(logits, targets, z_loss=1e-2)
+    loss = jax.jit(lm_loss, static_argnames="z_loss")
+    plain, parts = loss(logits, targets)
+    with_z, _ = loss(logits, targets, z_loss=1e-2)
     lse = np.log(np.exp(np.asarray(logits, np.float64)).sum(-1))
     ce = (lse - np.asarray(logits)[..., 0]).mean()
     assert float(plain) == pytest.approx(ce, rel=1e-5)
@@ -172,14 +202,20 @@ def test_scan_equals_the_blocks_applied_in_turn():
     cfg = ModelConfig(**{**SMALL, "n_layer": 3}, n_global_heads=1)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(8), (2, 11), 0, 64)
-    logits, stats = model(tokens, return_stats=True)
-    x = model.embed(tokens) + model.pos_embed(jnp.arange(11)[None])
-    per_layer = []
-    for block in model.blocks:
-        x, stats_H, _ = block(x, positions=jnp.broadcast_to(jnp.arange(11), (2, 11)),
-                              return_logit_stats=True)
-        per_layer.append(stats_H)
-    np.testing.assert_allclose(logits, model.lm_head(model.ln_f(x)), rtol=1e-5, atol=1e-6)
+    logits, stats = forward_with_stats(model, tokens)
+
+    @nnx.jit
+    def in_turn(model, tokens):
+        x = model.embed(tokens) + model.pos_embed(jnp.arange(11)[None])
+        per_layer = []
+        for block in model.blocks:
+            x, stats_H, _ = block(x, positions=jnp.broadcast_to(jnp.arange(11), (2, 11)),
+                                  return_logit_stats=True)
+            per_layer.append(stats_H)
+        return model.lm_head(model.ln_f(x)), per_layer
+
+    want_logits, per_layer = in_turn(model, tokens)
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(stats["attn_max_abs_logit"], np.stack(per_layer), rtol=1e-6)
     assert len({float(s[0]) for s in per_layer}) == 3  # the layers differ
 
@@ -191,7 +227,8 @@ def test_compile_work_is_flat_in_depth(remat):
     layers."""
     def counts(n_layer):
         cfg = ModelConfig(**{**SMALL, "n_layer": n_layer}, remat=remat)
-        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        # shapes only: the jaxprs are traced, nothing runs
+        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
         tokens = jnp.zeros((1, 8), jnp.int32)
         loss = lambda m: lm_loss(m(tokens[:, :-1]), tokens[:, 1:])[0]
         graphdef, params = nnx.split(model)
@@ -202,21 +239,22 @@ def test_compile_work_is_flat_in_depth(remat):
     assert counts(2) == counts(6)
 
 
+@functools.cache  # the "none" baseline: computed once for both policies
+def remat_loss_and_grads(remat):
+    tokens = jax.random.randint(jax.random.key(9), (2, 12), 0, 64)
+    graphdef, params = nnx.split(Transformer(ModelConfig(**SMALL, remat=remat),
+                                             rngs=nnx.Rngs(0)), nnx.Param)
+
+    def loss(params):
+        model = nnx.merge(graphdef, params)
+        return lm_loss(model(tokens[:, :-1]), tokens[:, 1:])[0]
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
 @pytest.mark.parametrize("remat", ["full", "dots"])
 def test_remat_keeps_loss_and_gradients(remat):
-    tokens = jax.random.randint(jax.random.key(9), (2, 12), 0, 64)
-
-    def loss_and_grads(remat):
-        graphdef, params = nnx.split(Transformer(ModelConfig(**SMALL, remat=remat),
-                                                 rngs=nnx.Rngs(0)), nnx.Param)
-
-        def loss(params):
-            model = nnx.merge(graphdef, params)
-            return lm_loss(model(tokens[:, :-1]), tokens[:, 1:])[0]
-        return jax.jit(jax.value_and_grad(loss))(params)
-
-    want_loss, want_grads = loss_and_grads("none")
-    loss, grads = loss_and_grads(remat)
+    want_loss, want_grads = remat_loss_and_grads("none")
+    loss, grads = remat_loss_and_grads(remat)
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

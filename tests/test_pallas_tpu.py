@@ -40,7 +40,9 @@ from ls_jax.kernels.pallas_tpu.plan import (
     step_counts,
 )
 from ls_jax.kernels.pallas_tpu.splash_cost import splash_mask, splash_step_counts
-from ls_jax.kernels.reference import allowed_mask, reference_attention_parts
+from ls_jax.kernels.reference import allowed_mask
+
+from jitted_reference import reference_attention_parts  # tests/, beside this file
 
 # The interpreter's race detector state (a private module, as in JAX's own interpret tests).
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpreter  # noqa: E402
@@ -178,8 +180,8 @@ def test_forward_matches_reference(B, T, Hq, Hkv, D, windows, segments, bq, bk):
     seed = seed_of(B, T, Hq, windows)
     q, k, v = rand_qkv(seed, B, T, Hq, Hkv, D)
     seg = rand_segments(seed, B, T) if segments else None
-    out, lse, max_abs = pallas_tpu_attention_parts(q, k, v, windows, seg, block_q=bq,
-                                                   block_k=bk, interpret=True)
+    out, lse, max_abs = jax.jit(lambda q, k, v, seg: pallas_tpu_attention_parts(
+        q, k, v, windows, seg, block_q=bq, block_k=bk, interpret=True))(q, k, v, seg)
     want_out, want_lse, want_max = reference_attention_parts(q, k, v, windows, seg)
     np.testing.assert_allclose(out, want_out, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(lse, want_lse, rtol=2e-5, atol=2e-5)
@@ -200,10 +202,10 @@ def test_gradients_match_reference(B, T, Hq, Hkv, D, windows, segments, bq, bk):
     ours = scalar_loss(lambda q, k, v: pallas_tpu_attention_parts(
         q, k, v, windows, seg, block_q=bq, block_k=bk, interpret=True)[:2], D)
     ref = scalar_loss(lambda q, k, v: reference_attention_parts(q, k, v, windows, seg)[:2], D)
-    got = jax.grad(ours, argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(ref, argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(q, k, v)
     for name, g, w in zip("qkv", got, want):
-        scale = float(jnp.max(jnp.abs(w)))
+        scale = float(np.max(np.abs(w)))
         np.testing.assert_allclose(g, w, rtol=0, atol=2e-5 * scale, err_msg=f"d{name}")
 
 
@@ -232,13 +234,15 @@ def test_ls_attention_entry_point_selects_the_kernel():
     assert get_backend("pallas_tpu") is pallas_tpu_backend
     B, T, Hq, Hkv, D, windows = 1, 256, 2, 2, 64, (None, 9)
     q, k, v = rand_qkv(3, B, T, Hq, Hkv, D)
-    out, stats = ls_attention(q, k, v, windows, implementation="pallas_tpu",
-                              interpret=pltpu.InterpretParams(), return_logit_stats=True)
+    out, stats = jax.jit(lambda q, k, v: ls_attention(
+        q, k, v, windows, implementation="pallas_tpu", interpret=pltpu.InterpretParams(),
+        return_logit_stats=True))(q, k, v)
     want_out, _, want_max = reference_attention_parts(q, k, v, windows)
     np.testing.assert_allclose(out, want_out, rtol=2e-5, atol=2e-5)
     np.testing.assert_allclose(stats.max_abs_logit, want_max, rtol=2e-5)
-    out16 = ls_attention(*(x.astype(jnp.float16) for x in (q, k, v)), windows,
-                         implementation="pallas_tpu", interpret=True)
+    out16 = jax.jit(lambda q, k, v: ls_attention(
+        q, k, v, windows, implementation="pallas_tpu", interpret=True))(
+        *(np.asarray(x, np.float16) for x in (q, k, v)))
     assert out16.dtype == jnp.float16
     np.testing.assert_allclose(out16.astype(jnp.float32), want_out, atol=5e-3)
     if jax.default_backend() != "tpu":
@@ -288,10 +292,10 @@ def _output_and_grads(f, q, k, v, seg):
 
 def _assert_close_to(got, want, atol=2e-5):
     (out, grads), (want_out, want_grads) = got, want
-    np.testing.assert_allclose(out.astype(jnp.float32), want_out, rtol=0, atol=atol)
+    np.testing.assert_allclose(np.asarray(out, np.float32), want_out, rtol=0, atol=atol)
     for name, g, w in zip("qkv", grads, want_grads):
-        scale = float(jnp.max(jnp.abs(w)))
-        np.testing.assert_allclose(g.astype(jnp.float32), w, rtol=0, atol=atol * scale,
+        scale = float(np.max(np.abs(w)))
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=0, atol=atol * scale,
                                    err_msg=f"d{name}")
 
 

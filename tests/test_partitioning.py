@@ -56,12 +56,13 @@ def _result(proc: subprocess.Popen) -> dict:
 @pytest.fixture(scope="module")
 def cases():
     procs = [_start("compare", *group) for group in GROUPS]
-    procs += [_start("planted_gather"), _start("refused", "Auto"), _start("refused", "Explicit"),
-              _start("readme")]
-    results = [_result(p) for p in procs]
-    compared = {k: v for r in results[:len(GROUPS)] for k, v in r.items()}
-    return dict(compared=compared, planted=results[-4], refused_auto=results[-3],
-                refused_explicit=results[-2], readme=results[-1])
+    # the short cases in one process: one start-up of JAX for the four
+    procs.append(_start("planted_gather", "+", "refused", "Auto", "+", "refused", "Explicit",
+                        "+", "readme"))
+    *groups, (planted, refused_auto, refused_explicit, readme) = [_result(p) for p in procs]
+    compared = {k: v for r in groups for k, v in r.items()}
+    return dict(compared=compared, planted=planted, refused_auto=refused_auto,
+                refused_explicit=refused_explicit, readme=readme)
 
 
 @pytest.mark.parametrize("case", COMPARED)
@@ -129,12 +130,22 @@ def test_residual_pair_gives_the_backends_gradients(impl):
     do = jax.random.normal(kd, (B, T, H, D))
     seg = jnp.broadcast_to(jnp.asarray([0] * 25 + [1] * 15, jnp.int32), (B, T))
     opts = dict(window_sizes=windows, segment_ids=seg, scale=default_scale(D), interpret=True)
-    out, pullback = jax.vjp(lambda q, k, v: get_backend(impl)(
-        q, k, v, return_logit_stats=False, **opts)[0], q, k, v)
     pair = residual_pair(impl)
-    out2, rows, stats = pair.forward(q, k, v, return_logit_stats=True, **opts)
-    grads = pair.backward(q, k, v, out2, rows, do, **opts)
+
+    @jax.jit  # one program each, not one per operation
+    def backend_vjp(q, k, v, do):
+        out, pullback = jax.vjp(lambda q, k, v: get_backend(impl)(
+            q, k, v, return_logit_stats=False, **opts)[0], q, k, v)
+        return out, pullback(do)
+
+    @jax.jit
+    def pair_forward_backward(q, k, v, do):
+        out, rows, stats = pair.forward(q, k, v, return_logit_stats=True, **opts)
+        return out, rows, stats, pair.backward(q, k, v, out, rows, do, **opts)
+
+    out, want_grads = backend_vjp(q, k, v, do)
+    out2, rows, stats, grads = pair_forward_backward(q, k, v, do)
     np.testing.assert_array_equal(out2, out)
     assert rows.shape == (B, H, T) and rows.dtype == jnp.float32 and stats.shape == (H,)
-    for got, want in zip(grads, pullback(do)):
+    for got, want in zip(grads, want_grads):
         np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)

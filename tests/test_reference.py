@@ -8,7 +8,16 @@ import numpy as np
 import pytest
 
 from ls_jax.kernels import ls_attention
-from ls_jax.kernels.reference import allowed_mask, blockwise_max_abs_logit, reference_attention_parts
+from ls_jax.kernels.reference import allowed_mask, blockwise_max_abs_logit
+
+from jitted_reference import reference_attention_parts  # tests/, beside this file
+
+# Each call below runs jitted: one compiled program instead of one per operation.
+attention = jax.jit(ls_attention, static_argnames=("window_sizes", "scale", "return_logit_stats"))
+causal_xla = jax.jit(lambda q, k, v, scale=None, local_window_size=None: (
+    jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                 local_window_size=local_window_size, implementation="xla")),
+    static_argnames=("scale", "local_window_size"))
 
 
 def loop_allowed(i, j, p, seg=None, b=0):
@@ -74,19 +83,19 @@ def test_reference_matches_loops(T, Hq, Hkv, windows, with_segments):
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(max_abs, want_max, rtol=1e-5)
-    _, stats = ls_attention(q, k, v, windows, segment_ids=seg, return_logit_stats=True)
+    _, stats = attention(q, k, v, windows, segment_ids=seg, return_logit_stats=True)
     np.testing.assert_allclose(stats.max_abs_logit, want_max, rtol=1e-5)
-    np.testing.assert_allclose(
-        blockwise_max_abs_logit(q, k, windows, seg, block_q=4), want_max, rtol=1e-5)
+    blockwise = jax.jit(blockwise_max_abs_logit, static_argnums=(2,), static_argnames="block_q")
+    np.testing.assert_allclose(blockwise(q, k, windows, seg, block_q=4), want_max, rtol=1e-5)
 
 
 def test_all_global_equals_plain_causal():
     q, k, v = rand_qkv(1, 2, 33, 4, 4, 16)
-    ours = ls_attention(q, k, v, (None,) * 4)
-    theirs = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    ours = attention(q, k, v, (None,) * 4)
+    theirs = causal_xla(q, k, v)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     # a window >= T is global too
-    np.testing.assert_allclose(ls_attention(q, k, v, (33, 40, 1000, None)), theirs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(attention(q, k, v, (33, 40, 1000, None)), theirs, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("windows", [(7, 7), (1, 2), (39, 40), (None, 3, 100, 16)])
@@ -96,13 +105,13 @@ def test_window_p_is_jax_local_window_size_p_minus_1(windows):
     also for GQA); None is plain is_causal=True."""
     H, G, T = len(windows), 1 if len(windows) > 2 else 2, 40
     q, k, v = rand_qkv(2 + len(windows), 2, T, H, G, 8)
-    ours = ls_attention(q, k, v, windows, scale=0.4)
+    ours = np.asarray(attention(q, k, v, windows, scale=0.4))
+    q, k, v = (np.asarray(x) for x in (q, k, v))
     for h, p in enumerate(windows):
         kv_head = h // (H // G)
-        theirs = jax.nn.dot_product_attention(
+        theirs = causal_xla(
             q[:, :, h:h + 1], k[:, :, kv_head:kv_head + 1], v[:, :, kv_head:kv_head + 1],
-            scale=0.4, is_causal=True, local_window_size=None if p is None else (p - 1, 0),
-            implementation="xla")
+            scale=0.4, local_window_size=None if p is None else (p - 1, 0))
         np.testing.assert_allclose(ours[:, :, h:h + 1], theirs, rtol=1e-5, atol=1e-6,
                                    err_msg=f"head {h}, window {p}")
 
@@ -112,8 +121,7 @@ def test_max_abs_logit_bruteforce_numpy():
     q = rng.normal(size=(2, 10, 3, 4)).astype(np.float32) * 3
     k = rng.normal(size=(2, 10, 3, 4)).astype(np.float32)
     windows = (None, 2, 4)
-    _, stats = ls_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(k), windows,
-                            scale=0.7, return_logit_stats=True)
+    _, stats = attention(q, k, k, windows, scale=0.7, return_logit_stats=True)
     logits = 0.7 * np.einsum("bihd,bjhd->bhij", q, k)
     for h, p in enumerate(windows):
         allowed = [(i, j) for i in range(10) for j in range(10) if loop_allowed(i, j, p)]
@@ -127,24 +135,27 @@ def test_gradients_match_finite_differences():
     windows = (None, 2)
     w = jax.random.normal(jax.random.key(5), q.shape)
 
+    @jax.jit
     def loss(q, k, v):
         return jnp.sum(ls_attention(q, k, v, windows) * w)
 
-    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     eps = 1e-2
     rng = np.random.default_rng(0)
+    x = [np.asarray(a) for a in (q, k, v)]
     for arg, g in enumerate(grads):
         for _ in range(4):
-            x = [q, k, v]
             idx = tuple(rng.integers(0, s) for s in x[arg].shape)
-            plus = [a.at[idx].add(eps) if n == arg else a for n, a in enumerate(x)]
-            minus = [a.at[idx].add(-eps) if n == arg else a for n, a in enumerate(x)]
+            step = np.zeros_like(x[arg])
+            step[idx] = eps
+            plus = [a + step if n == arg else a for n, a in enumerate(x)]
+            minus = [a - step if n == arg else a for n, a in enumerate(x)]
             fd = (loss(*plus) - loss(*minus)) / (2 * eps)
             assert float(g[idx]) == pytest.approx(float(fd), rel=2e-2, abs=2e-3), (arg, idx)
 
 
 def test_stats_carry_no_gradient():
     q, k, v = rand_qkv(6, 1, 5, 2, 2, 4)
-    g = jax.grad(lambda q: ls_attention(q, k, v, (None, 2), return_logit_stats=True)[1]
-                 .max_abs_logit.sum())(q)
+    g = jax.jit(jax.grad(lambda q: ls_attention(q, k, v, (None, 2), return_logit_stats=True)[1]
+                         .max_abs_logit.sum()))(q)
     assert not np.any(np.asarray(g))

@@ -11,22 +11,18 @@ import pytest
 
 pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 
-from ls_jax.configs import get_config
 from ls_jax.sample import main as sample_main
 from ls_jax.train import train
 
-MICRO = [
-    "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.head_dim=16", "model.window=4",
-    "model.max_seq_len=64", "data.seq_len=64", "data.shuffle_window=16", "train.batch_size=4",
-    "train.num_steps=3", "train.save_every=3", "train.warmup_steps=1", "train.eval_batches=1",
-    "train.progress=false", "train.async_checkpoints=false",
-]
+# the training tests' 2-step run (64 learned positions): its compiled programs are theirs (the
+# compilation cache)
+from test_train import micro_config  # tests/, beside this file
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("micro_run"))
-    train(get_config("tiny", MICRO), workdir, log=lambda _m: None)
+    train(micro_config("train.num_steps=2", "train.save_every=2"), workdir, log=lambda _m: None)
     return workdir
 
 
@@ -36,7 +32,7 @@ def test_cli_samples_text(run_dir, capsys):
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert out.startswith("def f(x):") and len(out.encode()) > len("def f(x):")
-    assert "step 3: 9 prompt + 12 new tokens" in err and "tokens/s" in err
+    assert "step 2: 9 prompt + 12 new tokens" in err and "tokens/s" in err
 
 
 def test_the_default_length_fits_the_model(run_dir, capsys):

@@ -16,7 +16,8 @@ import pytest
 from ls_jax.kernels import ls_attention, split
 from ls_jax.kernels.heads import kv_for_heads, split_heads
 from ls_jax.kernels.pallas_gpu import Launch, Launches, TritonConfig
-from ls_jax.kernels.reference import reference_attention_parts
+
+from jitted_reference import reference_attention_parts, reference_vjp  # tests/, beside this file
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -108,6 +109,7 @@ def test_forward_and_stats_match_reference(calls, case):
     want_out, _, want_stats = reference_attention_parts(q, k, v, windows, scale=SCALE)
     assert out.shape == q.shape and out.dtype == jnp.bfloat16
     assert rel_err(out, want_out) < TOL
+    out, want_out = np.asarray(out, np.float32), np.asarray(want_out, np.float32)
     for h in range(H):  # each head on its own: a swapped head fails here
         assert rel_err(out[:, :, h], want_out[:, :, h]) < TOL, h
     assert stats.shape == (H,) and stats.dtype == jnp.float32
@@ -125,14 +127,10 @@ def test_no_stats_output_and_gradients_match_reference(calls, H, G, windows):
         assert stats is None
         return out, vjp((do, None))
 
-    def ref(q, k, v):
-        return reference_attention_parts(*(x.astype(jnp.float32) for x in (q, k, v)), windows,
-                                         scale=SCALE)[0]
-
     out, got = ours(q, k, v, do)
-    want_out, ref_vjp = jax.vjp(ref, q, k, v)
+    want_out, _, want_grads = reference_vjp(q, k, v, do, windows, None, SCALE)
     assert rel_err(out, want_out) < TOL
-    for name, g, w in zip(("dq", "dk", "dv"), got, ref_vjp(do.astype(jnp.float32))):
+    for name, g, w in zip(("dq", "dk", "dv"), got, want_grads):
         assert g.shape == w.shape and g.dtype == jnp.bfloat16, name
         assert rel_err(g, w) < TOL, name
 

@@ -9,6 +9,7 @@ import textwrap
 
 import jax
 import numpy as np
+import pytest
 
 from experiments import runner
 from experiments.byte_corpus import WindowSampler
@@ -32,21 +33,36 @@ TINY = ["model.n_layer=1", "model.d_model=48", "model.head_dim=8", "model.window
         "train.min_lr=0.002"]
 
 
-def test_the_step_and_the_experiments_import_without_grain_tfds_sentencepiece_tensorboardx():
+@pytest.fixture(scope="module")
+def without_the_gpu_image_packages():
+    """One process without grain, tfds, sentencepiece and tensorboardX (one start of JAX for
+    the checks below): it imports the step and the experiments, then the training loop, then
+    collects the suite's GPU tests; (exit code, stdout, stderr)."""
     script = BLOCK + textwrap.dedent("""
         import ls_jax.step, ls_jax.compile_only
         import experiments.runner, experiments.lr_sweep, experiments.paper_batch
         import experiments.byte_corpus, experiments.paper_claims
-        print("OK")
+        print("imported", flush=True)
+        try:
+            import ls_jax.train
+        except ModuleNotFoundError as e:
+            print(f"ls_jax.train: {e}", flush=True)
+        import pytest
+        sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                              "tests"]))
     """)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_the_step_and_the_experiments_import_without_grain_tfds_sentencepiece_tensorboardx(
+        without_the_gpu_image_packages):
+    _, out, err = without_the_gpu_image_packages
+    assert out.startswith("imported\n"), err[-3000:]
     # the blocker bites: the training loop needs grain
-    proc = subprocess.run([sys.executable, "-c", BLOCK + "import ls_jax.train"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "No module named 'grain' (blocked)" in proc.stderr
+    assert "ls_jax.train: No module named 'grain' (blocked)" in out, out[-3000:]
 
 
 def test_runner_at_a_peak_lr_is_the_library_step_at_that_lr():
@@ -94,18 +110,12 @@ def test_runner_at_a_peak_lr_is_the_library_step_at_that_lr():
         assert np.linalg.norm(a - b) <= 5e-4 * np.linalg.norm(b), (a.shape, np.abs(a - b).max())
 
 
-def test_the_suite_collects_without_grain_tfds_sentencepiece_tensorboardx():
+def test_the_suite_collects_without_grain_tfds_sentencepiece_tensorboardx(
+        without_the_gpu_image_packages):
     """On the GPU image the modules that drive the training loop are skipped, not errors,
     and the GPU tests are collected."""
-    script = BLOCK + textwrap.dedent("""
-        import pytest
-        sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                              "tests"]))
-    """)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "error" not in proc.stdout.lower().splitlines()[-1]
-    assert "tests/test_pallas_gpu.py::" in proc.stdout
+    code, out, err = without_the_gpu_image_packages
+    assert code == 0, out[-3000:] + err[-3000:]
+    assert "error" not in out.lower().splitlines()[-1]
+    assert "tests/test_pallas_gpu.py::" in out
 

@@ -8,27 +8,23 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 from safetensors.numpy import load_file, save_file
 
-from ls_jax.configs import get_config
 from ls_jax.sample import load_model
 from ls_jax.train import train
 from ls_jax.weights import load_weights, parameters, save_weights
 
-MICRO = [
-    "model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.head_dim=16",
-    "model.window=4", "model.max_seq_len=64", "data.seq_len=64", "data.shuffle_window=16",
-    "train.batch_size=4", "train.num_steps=2", "train.save_every=2", "train.warmup_steps=1",
-    "train.eval_batches=1", "train.progress=false", "train.async_checkpoints=false",
-]
+# the training tests' 2-step run: its compiled programs are theirs (the compilation cache)
+from test_train import micro_config  # tests/, beside this file
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("weights_run"))
-    train(get_config("tiny", MICRO), workdir, log=lambda _m: None)
+    train(micro_config("train.num_steps=2", "train.save_every=2"), workdir, log=lambda _m: None)
     return workdir
 
 
@@ -39,7 +35,8 @@ def test_round_trip_gives_the_same_model(run_dir, tmp_path):
     loaded, loaded_cfg, loaded_step = load_weights(path)
     assert (loaded_cfg.model, loaded_step) == (cfg.model, step)
     tokens = jnp.arange(24, dtype=jnp.int32).reshape(2, 12) % cfg.model.vocab_size
-    np.testing.assert_array_equal(loaded(tokens), model(tokens))
+    forward = nnx.jit(lambda model, tokens: model(tokens))  # one compile serves both models
+    np.testing.assert_array_equal(forward(loaded, tokens), forward(model, tokens))
     tensors = load_file(path)  # any safetensors reader
     assert {k: v.shape for k, v in tensors.items()} == {
         k: v.shape for k, v in parameters(model).items()}
@@ -49,7 +46,7 @@ def test_names_are_the_model_attribute_paths(run_dir, tmp_path):
     path = str(tmp_path / "w.safetensors")
     save_weights(run_dir, path)
     names = set(load_file(path))
-    d, h = 32, 2 * 16
+    d, h = 64, 2 * 32
     want = {"embed.embedding", "ln_f.scale", "blocks.0.attn.q_proj.kernel",
             "blocks.1.attn.o_proj.kernel", "blocks.0.ln1.scale", "blocks.1.mlp.fc.kernel"}
     assert want <= names, sorted(names)
@@ -66,7 +63,7 @@ def test_a_file_that_does_not_fit_is_refused_with_one_line(run_dir, tmp_path):
     tensors["blocks.0.ln1.scale"] = np.zeros(5, np.float32)
     bad = str(tmp_path / "bad.safetensors")
     save_file(tensors, bad, metadata=metadata)
-    with pytest.raises(ValueError, match=r"weights: blocks\.0\.ln1\.scale: expected float32\[32\]"):
+    with pytest.raises(ValueError, match=r"weights: blocks\.0\.ln1\.scale: expected float32\[64\]"):
         load_weights(bad)
     save_file(tensors, bad)  # no metadata: not ours
     with pytest.raises(ValueError, match="weights: expected a file written by"):

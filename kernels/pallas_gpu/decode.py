@@ -41,7 +41,7 @@ BLOCK_S = 128
 
 def num_warps(D: int) -> int:
     """A warp per 32 columns of the head, at least two: each thread then holds at most 128
-    elements of a [BLOCK_S, D] tile (more spill registers)."""
+    elements of a [BLOCK_S, D] tile, which stay in registers."""
     return max(2, D // 32)
 
 

@@ -21,7 +21,11 @@ def reference_vjp(q, k, v, do, window_sizes, segment_ids=None, scale=None):
 @jax.jit(static_argnums=(4, 6))
 def _reference_vjp(q, k, v, do, window_sizes, segment_ids, scale):
     f32 = [x.astype("float32") for x in (q, k, v, do)]
-    out, pullback = jax.vjp(lambda q, k, v: reference.reference_attention_parts(
-        q, k, v, window_sizes, segment_ids, scale)[0], *f32[:3])
-    stats = reference.reference_attention_parts(*f32[:3], window_sizes, segment_ids, scale)[2]
+
+    def out_and_stats(q, k, v):
+        out, _, stats = reference.reference_attention_parts(q, k, v, window_sizes, segment_ids,
+                                                            scale)
+        return out, stats
+
+    out, pullback, stats = jax.vjp(out_and_stats, *f32[:3], has_aux=True)
     return out, stats, pullback(f32[3])

@@ -163,6 +163,7 @@ def run_decode(model, B: int, ctx: int, impl: str, args) -> dict:
 
     step_sec = bench(call, args.warmup, args.reps) / args.steps
     # generate's loop: --loop-tokens steps in one call, each call from the same ctx tokens
+    box["cache"] = box["cache"]._replace(lengths_B=jnp.full((B,), ctx, jnp.int32))
     loop = decode_loop_fn(graphdef, max_new_tokens=args.loop_tokens, temperature=1.0,
                           top_k=None, top_p=None, end_id=None, decode_implementation=impl)
     logits = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)

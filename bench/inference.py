@@ -322,6 +322,11 @@ def main(argv=None) -> int:
             print(f"error: --shapes: expected names from {sorted(SHAPES)}, got {s!r}",
                   file=sys.stderr)
             return 2
+    for flag, value in (("--steps", args.steps), ("--loop-tokens", args.loop_tokens),
+                        ("--reps", args.reps)):
+        if value < 1:
+            print(f"error: {flag}: expected an integer >= 1, got {value}", file=sys.stderr)
+            return 2
     windows = ints(args.windows)
     decode_impls = (args.decode_impls or ("xla,pallas_gpu" if jax.default_backend() == "gpu"
                                           else "xla")).split(",")

@@ -93,3 +93,17 @@ def test_inference_bench_smoke(tmp_path):
     assert any("cache bytes" in t and t.endswith("PASS") for t in data["targets"])
     assert not any("cache bytes" in t and t.endswith("MISS") for t in data["targets"])
     assert "| shape | variant |" in proc.stdout
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--loop-tokens", "--reps"])
+def test_inference_bench_refuses_a_count_below_one(tmp_path, flag):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "inf.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "inference.py"),
+                           "--out", str(out), flag, "0"], cwd=root,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == \
+        f"error: {flag}: expected an integer >= 1, got 0"
+    assert not out.exists()

@@ -41,6 +41,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml Makefile
 	$(PY) -m pip install -q -r requirements.txt
 	if [ -n "$(JAX_EXTRA)" ]; then $(PY) -m pip install -q "jax[$(JAX_EXTRA)]==0.11.2"; fi
 	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m compileall -q ls_jax kernels configs  # the editable install leaves them uncompiled
 	touch $@
 
 venv: $(VENV)/.installed

@@ -8,6 +8,7 @@ extra, and without it ends with one line naming it.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import types
@@ -17,7 +18,22 @@ from ls_jax.configs import get_config
 
 def _train_extra() -> types.SimpleNamespace:
     """The [train] extra's part of the library, imported when a command runs; without the
-    extra (`pip install ls-jax` alone) one line naming it and exit status 1."""
+    extra (`pip install ls-jax` alone) one line naming it and exit status 1.
+
+    The imports (JAX, Flax, optax, orbax, grain: about a million objects that live as long as
+    the process) run with the cyclic garbage collector paused, and are then frozen out of its
+    view (``gc.freeze``), so that no collection during start-up walks them again."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _import_train_extra()
+    finally:
+        gc.freeze()
+        if collecting:
+            gc.enable()
+
+
+def _import_train_extra() -> types.SimpleNamespace:
     try:
         from ls_jax.checkpoint import CheckpointError
         from ls_jax.evaluate import evaluate_checkpoint

@@ -99,6 +99,35 @@ def test_the_first_step_is_compiled_ahead_once_and_a_start_up_stop_waits_for_it(
     assert result.final_step == 1 and compiles == ["compile-first-step"]
 
 
+# -- the imports of train.py and eval.py -----------------------------------------------------
+
+_IMPORTS_PROBE = """
+import gc, json
+from ls_jax.configs import cli
+collections = []
+gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info))
+frozen = gc.get_freeze_count()
+cli._train_extra()
+out = {"collections": len(collections), "newly_frozen": gc.get_freeze_count() - frozen,
+       "enabled_after": gc.isenabled()}
+gc.disable()
+cli._train_extra()
+out["disabled_stays"] = not gc.isenabled()
+print(json.dumps(out))
+"""
+
+
+def test_the_train_extras_imports_run_uncollected_and_frozen_and_leave_gc_as_found():
+    import json
+    proc = subprocess.run([sys.executable, "-c", _IMPORTS_PROBE], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["collections"] == 0  # no collection walked the imports' objects
+    assert out["newly_frozen"] > 100_000  # JAX, Flax, orbax, grain: out of later collections
+    assert out["enabled_after"] and out["disabled_stays"]
+
+
 # -- TensorBoard ----------------------------------------------------------------------------
 
 def _event_steps(tb_dir: str, tag: str) -> list[int]:

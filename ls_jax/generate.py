@@ -78,6 +78,17 @@ def sample_logits(logits_BxV: jax.Array, key: jax.Array, *, temperature: float =
 _FNS: dict[Any, Any] = {}
 
 
+def prefill_compiler_options() -> dict | None:
+    """XLA options for a prefill chunk on this platform. On GPU, XLA's dot merger computes a
+    chunk's q, k and v projections as one matrix product and then copies each out of it, since
+    the attention kernel takes each as a buffer of its own; as three products they are written
+    where the kernel reads them. (Decode steps keep the merger: one product of a few rows is
+    one launch instead of three.)"""
+    if jax.default_backend() == "gpu":
+        return {"xla_disable_hlo_passes": "dot-merger"}
+    return None
+
+
 def prefill_chunk_fn(graphdef, *, fresh: bool, decode_implementation: str | None):
     """jit: (state, tokens_BxC, cache, chunk_start, prompt_lengths_B, last_logits_BxV)
     -> (last_logits_BxV, cache). last_logits takes the logits of each row's last prompt
@@ -96,7 +107,7 @@ def prefill_chunk_fn(graphdef, *, fresh: bool, decode_implementation: str | None
                 decode_implementation=decode_implementation)
             here_B = (last_B >= 0) & (last_B < C)
             return jnp.where(here_B[:, None], logits_BxV, last_logits_BxV), cache
-        _FNS[key] = jax.jit(fn, donate_argnums=(2,))
+        _FNS[key] = jax.jit(fn, donate_argnums=(2,), compiler_options=prefill_compiler_options())
     return _FNS[key]
 
 

@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 from ls_jax.config import ModelConfig
-from ls_jax.generate import decode_step_fn, generate, sample_logits
+from ls_jax.generate import (decode_step_fn, generate, prefill_chunk_fn,
+                              prefill_compiler_options, sample_logits)
 from ls_jax.kv_cache import CacheLayout, ring_positions
 from ls_jax.model import Transformer
 
@@ -226,3 +227,24 @@ def test_cached_logits_with_the_pallas_gpu_decode_kernel():
     got, _ = cached_logits(model, tokens, 7, 64, decode_implementation="pallas_gpu")
     # GPU float32 matmuls may run in TF32: a loose tolerance (a wrong kernel is off by O(1))
     np.testing.assert_allclose(got, model(tokens), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_prefill_writes_q_k_v_as_three_products_not_slices_of_one():
+    """With XLA's dot merger the chunk's q, k, v come from one product and are copied out of it
+    (slice fusions); the prefill's compiler options keep them three products."""
+    import re
+    model = tiny_model(d_model=64, n_head=4, head_dim=16)
+    graphdef, state = nnx.split(model)
+    B, T = 2, 32
+    cache = model.init_cache(B, T, dtype=jnp.float32)
+    args = (state, jnp.zeros((B, T), jnp.int32), cache, jnp.int32(0), jnp.full((B,), T, jnp.int32),
+            jnp.zeros((B, 32), jnp.float32))
+    fn = prefill_chunk_fn(graphdef, fresh=True, decode_implementation=None)
+    slices = lambda text: len(re.findall(rf"= f32\[(?:{B},{T}|{B * T}),64\]\S* fusion\([^)]*\), "
+                                         rf"kind=kLoop, calls=%fused_slice", text))
+    # a compile's own options come after the jit's: this one turns the merger back on
+    merged = fn.lower(*args).compile(compiler_options={"xla_disable_hlo_passes": ""}).as_text()
+    assert prefill_compiler_options() is not None
+    assert slices(merged) == 3 * model.cfg.n_layer  # what the option is for: still true of XLA
+    assert slices(fn.lower(*args).compile().as_text()) == 0

@@ -92,7 +92,8 @@ def prefill_compiler_options() -> dict | None:
 def prefill_chunk_fn(graphdef, *, fresh: bool, decode_implementation: str | None):
     """jit: (state, tokens_BxC, cache, chunk_start, prompt_lengths_B, last_logits_BxV)
     -> (last_logits_BxV, cache). last_logits takes the logits of each row's last prompt
-    token when this chunk holds it."""
+    token when this chunk holds it. Call it at top level, not inside another jit: it carries
+    ``prefill_compiler_options``."""
     key = ("prefill", graphdef, fresh, decode_implementation)
     if key not in _FNS:
         def fn(state, tokens_BxC, cache, chunk_start, prompt_lengths_B, last_logits_BxV):

@@ -82,8 +82,8 @@ def prefill_compiler_options() -> dict | None:
     """XLA options for a prefill chunk on this platform. On GPU, XLA's dot merger computes a
     chunk's q, k and v projections as one matrix product and then copies each out of it, since
     the attention kernel takes each as a buffer of its own; as three products they are written
-    where the kernel reads them. (Decode steps keep the merger: one product of a few rows is
-    one launch instead of three.)"""
+    where the kernel reads them. (Decode steps keep the merger: their products have a row per
+    sequence, so the copies are small.)"""
     if jax.default_backend() == "gpu":
         return {"xla_disable_hlo_passes": "dot-merger"}
     return None

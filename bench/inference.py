@@ -127,11 +127,12 @@ def run_prefill(model, B: int, T: int, args) -> dict:
     tokens = jax.random.randint(jax.random.key(0), (B, T), 0, model.cfg.vocab_size)
     lengths = jnp.full((B,), T, jnp.int32)
     logits = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
-    compiled = fn.lower(state, tokens, cache, jnp.int32(0), lengths, logits).compile()
+    start = jnp.int32(0)  # on the device once, not copied there in every timed call
+    compiled = fn.lower(state, tokens, cache, start, lengths, logits).compile()
     box = {"cache": cache}
 
     def call():
-        out, box["cache"] = compiled(state, tokens, box["cache"], jnp.int32(0), lengths, logits)
+        out, box["cache"] = compiled(state, tokens, box["cache"], start, lengths, logits)
         jax.block_until_ready(out)
 
     sec = bench(call, args.warmup, args.reps)
@@ -140,9 +141,15 @@ def run_prefill(model, B: int, T: int, args) -> dict:
             "compiled_bytes": compiled_bytes(compiled), "device_peak_bytes": device_peak()}
 
 
+def decode_room(args) -> int:
+    """Cache slots the decode timing writes after the context: the single steps of every
+    sample, or one call of generate's loop (each starts again from the context)."""
+    return max(args.steps * (args.warmup + args.reps + 1), args.loop_tokens)
+
+
 def run_decode(model, B: int, ctx: int, impl: str, args) -> dict:
     graphdef, state = nnx.split(model)
-    max_len = ctx + max(args.steps * (args.warmup + args.reps + 1), args.loop_tokens)
+    max_len = ctx + decode_room(args)
     # a full context: random keys/values (content does not change the work), ctx positions;
     # made from the cache's shapes so that no second, zero-filled cache is ever allocated
     shapes = jax.eval_shape(lambda: model.init_cache(B, max_len, dtype=jnp.bfloat16))
@@ -167,11 +174,13 @@ def run_decode(model, B: int, ctx: int, impl: str, args) -> dict:
     loop = decode_loop_fn(graphdef, max_new_tokens=args.loop_tokens, temperature=1.0,
                           top_k=None, top_p=None, end_id=None, decode_implementation=impl)
     logits = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
-    loop_compiled = loop.lower(state, logits, box["cache"], jax.random.key(3)).compile()
+    rng = jax.random.key(3)  # made once: a key made per call would be timed with it
+    loop_compiled = loop.lower(state, logits, box["cache"], rng).compile()
 
     def generate():
-        toks, _, cache = loop_compiled(state, logits, box["cache"], jax.random.key(3))
+        toks, _, cache = loop_compiled(state, logits, box["cache"], rng)
         jax.block_until_ready(toks)
+        # a fresh array: each call donates the cache, lengths included
         box["cache"] = cache._replace(lengths_B=jnp.full((B,), ctx, jnp.int32))
 
     sec = bench(generate, args.warmup, args.reps) / args.loop_tokens
@@ -330,9 +339,7 @@ def main(argv=None) -> int:
     windows = ints(args.windows)
     decode_impls = (args.decode_impls or ("xla,pallas_gpu" if jax.default_backend() == "gpu"
                                           else "xla")).split(",")
-    max_len = max(ints(args.seq_lens) + [c + max(args.steps * (args.warmup + args.reps + 1),
-                                                 args.loop_tokens)
-                                         for c in ints(args.contexts)])
+    max_len = max(ints(args.seq_lens) + [c + decode_room(args) for c in ints(args.contexts)])
     budget = args.memory_budget_gib * 2**30
     results = []
     dtype = "bfloat16"

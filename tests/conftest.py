@@ -2,6 +2,7 @@
 and one XLA compilation cache for the test session."""
 
 import atexit
+import logging
 import os
 import shutil
 import tempfile
@@ -42,3 +43,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "tpu" in item.keywords and backend != "tpu":
             item.add_marker(skip_tpu)
+
+
+@pytest.fixture
+def cli_logging():
+    """Undoes the log routing of ``train_main`` / ``eval_main`` (the libraries' records go to
+    the run directory, ``ls_jax.metrics.send_library_logs_to``) after a test."""
+    root = logging.getLogger()
+    handlers, raise_exceptions = list(root.handlers), logging.raiseExceptions
+    yield
+    for h in root.handlers[:]:
+        if h not in handlers:
+            root.removeHandler(h)
+            h.close()
+    root.handlers[:] = handlers
+    logging.raiseExceptions = raise_exceptions
+    logging.captureWarnings(False)

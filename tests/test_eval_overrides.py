@@ -3,7 +3,6 @@ refused in one line, only the parameters restored (the optimizer state stays on 
 below 1 refused, one result file per evaluation."""
 
 import json
-import logging
 import os
 import shutil
 
@@ -27,20 +26,7 @@ import test_train  # tests/, beside this file
 MICRO = [*test_train.MICRO, "train.num_steps=2", "train.save_every=2"]
 
 
-@pytest.fixture(autouse=True)
-def cli_logging():
-    """eval_main routes the libraries' log records (ls_jax.metrics.send_library_logs_to):
-    undone after each test."""
-    root = logging.getLogger()
-    handlers, raise_exceptions = list(root.handlers), logging.raiseExceptions
-    yield
-    for h in root.handlers[:]:
-        if h not in handlers:
-            root.removeHandler(h)
-            h.close()
-    root.handlers[:] = handlers
-    logging.raiseExceptions = raise_exceptions
-    logging.captureWarnings(False)
+pytestmark = pytest.mark.usefixtures("cli_logging")  # conftest.py: undoes the CLI's log routing
 
 
 @pytest.fixture(scope="module")

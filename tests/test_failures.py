@@ -77,20 +77,7 @@ def tensorboard_scalars(tb_dir):
     return out
 
 
-@pytest.fixture(autouse=True)
-def cli_logging():
-    """train_main / eval_main route the libraries' log records (send_library_logs_to): undone
-    after each test."""
-    root = logging.getLogger()
-    handlers, raise_exceptions = list(root.handlers), logging.raiseExceptions
-    yield
-    for h in root.handlers[:]:
-        if h not in handlers:
-            root.removeHandler(h)
-            h.close()
-    root.handlers[:] = handlers
-    logging.raiseExceptions = raise_exceptions
-    logging.captureWarnings(False)
+pytestmark = pytest.mark.usefixtures("cli_logging")  # conftest.py: undoes the CLI's log routing
 
 
 class FakeBar:

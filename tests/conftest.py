@@ -1,5 +1,5 @@
 """Shared test setup: GPU/TPU markers skipped where absent (the venv has the project installed),
-and one XLA compilation cache for the test session."""
+one XLA compilation cache for the test session, and ``cli_logging`` for the CLI's tests."""
 
 import atexit
 import logging

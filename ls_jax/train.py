@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import math
 import os
 import signal
@@ -131,16 +132,17 @@ def _train(cfg: Config, mesh, workdir: str, stopper: "_Stopper", log) -> TrainRe
         profiler = StepProfiler(cfg.train.profile_range, run.tensorboard_dir, log)
         finished = False
         try:
-            fns = compile_train_fns(cfg, mesh)
-            ahead = _CompileAhead(cfg, mesh, fns, (ckpt.latest_step() or 0) + 1)
-            graphdef, state, start_step, data = _restore_or_init(cfg, mesh, fns, ckpt, log)
-            if why := stopper.at_startup():
-                finished = True
-                return _stopped_before_start(workdir, run.checkpoint_steps(), why, say)
-            if is_main:
-                run.write_config(cfg)
-            step_log = _StepLog(cfg, run, start_step, log, enabled=is_main)
-            ahead.join()  # a signal from here on stops after the first step (saved)
+            with _collection_paused():
+                fns = compile_train_fns(cfg, mesh)
+                ahead = _CompileAhead(cfg, mesh, fns, (ckpt.latest_step() or 0) + 1)
+                graphdef, state, start_step, data = _restore_or_init(cfg, mesh, fns, ckpt, log)
+                if why := stopper.at_startup():
+                    finished = True
+                    return _stopped_before_start(workdir, run.checkpoint_steps(), why, say)
+                if is_main:
+                    run.write_config(cfg)
+                step_log = _StepLog(cfg, run, start_step, log, enabled=is_main)
+                ahead.join()  # a signal from here on stops after the first step (saved)
             state, final_step, why_stop = _step_loop(
                 cfg, mesh, fns, state, start_step, data, ckpt, step_log, stopper, profiler, log)
             eval_metrics, stop = None, None
@@ -220,6 +222,21 @@ def _check_eval_split(cfg: Config) -> None:
     finally:
         if hasattr(it, "close"):
             it.close()
+
+
+@contextlib.contextmanager
+def _collection_paused():
+    """Python's cyclic garbage collector off while the run traces, lowers and compiles its
+    programs: that makes millions of short-lived objects but almost no reference cycles, so
+    a collection there only walks live objects and holds the GIL the tracing threads need.
+    The collector is left as it was found."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class _CompileAhead:

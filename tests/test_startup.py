@@ -1,7 +1,9 @@
 """What a run does before its first step, and how cheaply: the offline corpus listed once, the
-first step's compilation overlapped with the state's set-up, the TensorBoard flushes spaced,
-the compilation cache of train.py (issue 37)."""
+first step's compilation overlapped with the state's set-up, no garbage collection while it
+builds its programs, the TensorBoard flushes spaced, the compilation cache of train.py
+(issue 37)."""
 
+import gc
 import os
 import pathlib
 import signal
@@ -97,6 +99,45 @@ def test_the_first_step_is_compiled_ahead_once_and_a_start_up_stop_waits_for_it(
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert result.final_step == 1 and compiles == ["compile-first-step"]
+
+
+def test_set_up_runs_with_the_collector_paused_and_leaves_it_as_found(tmp_path, monkeypatch):
+    """No garbage collection while a run builds its programs (from compile_train_fns to the
+    first step's compilation); the collector is on again for the steps, stays off for a
+    caller that turned it off, and is restored when the set-up fails."""
+    cfg = get_config("tiny", MICRO + ["train.num_steps=2"])
+    seen = []
+    compile_fns, step_loop = train_lib.compile_train_fns, train_lib._step_loop
+
+    def compile_recorded(*args, **kwargs):
+        seen.append(("set-up", gc.isenabled()))
+        return compile_fns(*args, **kwargs)
+
+    def loop_recorded(*args, **kwargs):
+        seen.append(("steps", gc.isenabled()))
+        return step_loop(*args, **kwargs)
+
+    monkeypatch.setattr(train_lib, "compile_train_fns", compile_recorded)
+    monkeypatch.setattr(train_lib, "_step_loop", loop_recorded)
+    assert gc.isenabled()
+    train(cfg, str(tmp_path / "on"), stop_after_steps=1, log=lambda _m: None)
+    assert seen == [("set-up", False), ("steps", True)] and gc.isenabled()
+
+    seen.clear()
+    gc.disable()
+    try:
+        train(cfg, str(tmp_path / "off"), stop_after_steps=1, log=lambda _m: None)
+        assert seen == [("set-up", False), ("steps", False)] and not gc.isenabled()
+    finally:
+        gc.enable()
+
+    def compile_fails(*args, **kwargs):
+        raise ValueError("model.d_model: a set-up error")
+
+    monkeypatch.setattr(train_lib, "compile_train_fns", compile_fails)
+    with pytest.raises(ValueError, match="a set-up error"):
+        train(cfg, str(tmp_path / "fails"), log=lambda _m: None)
+    assert gc.isenabled()
 
 
 # -- the imports of train.py and eval.py -----------------------------------------------------

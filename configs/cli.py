@@ -8,12 +8,12 @@ extra, and without it ends with one line naming it.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 import types
 
 from ls_jax.configs import get_config
+from ls_jax.gc_pause import collection_paused
 
 
 def _train_extra() -> types.SimpleNamespace:
@@ -23,14 +23,8 @@ def _train_extra() -> types.SimpleNamespace:
     The imports (JAX, Flax, optax, orbax, grain: about a million objects that live as long as
     the process) run with the cyclic garbage collector paused, and are then frozen out of its
     view (``gc.freeze``), so that no collection during start-up walks them again."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with collection_paused(freeze=True):
         return _import_train_extra()
-    finally:
-        gc.freeze()
-        if collecting:
-            gc.enable()
 
 
 def _import_train_extra() -> types.SimpleNamespace:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import math
 import os
 import signal
@@ -34,6 +33,7 @@ from ls_jax import sharding as sharding_lib
 from ls_jax.checkpoint import CheckpointError, Checkpointer, DataLayout
 from ls_jax.config import Config
 from ls_jax.evaluate import evaluate_model
+from ls_jax.gc_pause import collection_paused
 from ls_jax.metrics import MetricsWriter, logit_norm_summary
 from ls_jax.model import count_params
 from ls_jax.profiler import StepProfiler
@@ -132,7 +132,7 @@ def _train(cfg: Config, mesh, workdir: str, stopper: "_Stopper", log) -> TrainRe
         profiler = StepProfiler(cfg.train.profile_range, run.tensorboard_dir, log)
         finished = False
         try:
-            with _collection_paused():
+            with collection_paused():  # while the run traces, lowers and compiles
                 fns = compile_train_fns(cfg, mesh)
                 ahead = _CompileAhead(cfg, mesh, fns, (ckpt.latest_step() or 0) + 1)
                 graphdef, state, start_step, data = _restore_or_init(cfg, mesh, fns, ckpt, log)
@@ -222,21 +222,6 @@ def _check_eval_split(cfg: Config) -> None:
     finally:
         if hasattr(it, "close"):
             it.close()
-
-
-@contextlib.contextmanager
-def _collection_paused():
-    """Python's cyclic garbage collector off while the run traces, lowers and compiles its
-    programs: that makes millions of short-lived objects but almost no reference cycles, so
-    a collection there only walks live objects and holds the GIL the tracing threads need.
-    The collector is left as it was found."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 class _CompileAhead:

@@ -174,10 +174,42 @@ def _read(path: str):
 
 
 def build_corpus(source: str, *, max_bytes: int | None = None, validation_percent: int = 1,
-                 threads: int = 16) -> ByteCorpus:
-    """Reads a source's files (see the module docstring)."""
-    return read_roots(source_roots(source), source=source, max_bytes=max_bytes,
-                      validation_percent=validation_percent, threads=threads)
+                 threads: int = 16, cache_dir: str | None = None) -> ByteCorpus:
+    """Reads a source's files (see the module docstring). With ``cache_dir``, a corpus built
+    with the same source, roots, cap and split is loaded from there, and one built here is
+    saved there: the experiment processes of one machine read its files once. The cache does
+    not see files that change under the roots; delete it to rebuild."""
+    roots = source_roots(source)
+    if cache_dir is None:
+        return read_roots(roots, source=source, max_bytes=max_bytes,
+                          validation_percent=validation_percent, threads=threads)
+    key = json.dumps([source, [dataclasses.astuple(r) for r in roots], max_bytes,
+                      validation_percent], default=sorted)
+    path = os.path.join(cache_dir, f"{source}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.npz")
+    if os.path.exists(path):
+        return _load_corpus(path)
+    corpus = read_roots(roots, source=source, max_bytes=max_bytes,
+                        validation_percent=validation_percent, threads=threads)
+    _save_corpus(corpus, path)
+    return corpus
+
+
+def _save_corpus(corpus: ByteCorpus, path: str) -> None:
+    """Whole-file replace: processes that build the same corpus at once leave one copy."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    meta = {f.name: getattr(corpus, f.name) for f in dataclasses.fields(corpus)
+            if f.name not in ("train_N", "validation_N")}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, train_N=corpus.train_N, validation_N=corpus.validation_N,
+                 meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+    os.replace(tmp, path)
+
+
+def _load_corpus(path: str) -> ByteCorpus:
+    with np.load(path) as z:
+        meta = json.loads(z["meta"].tobytes())
+        return ByteCorpus(train_N=z["train_N"], validation_N=z["validation_N"], **meta)
 
 
 def read_roots(roots: list[Root], *, source: str, max_bytes: int | None = None,
@@ -273,10 +305,14 @@ def main(argv=None) -> int:
     parser.add_argument("--source", default="offline", choices=SOURCES)
     parser.add_argument("--max-mb", type=int, default=None, help="cap the corpus at this many MB")
     parser.add_argument("--validation-percent", type=int, default=1)
+    parser.add_argument("--cache", default=None, metavar="DIR",
+                        help="save the corpus in DIR (or load it from there) for the experiments' "
+                             "--corpus-cache")
     args = parser.parse_args(argv)
     try:
         corpus = build_corpus(args.source, validation_percent=args.validation_percent,
-                              max_bytes=None if args.max_mb is None else args.max_mb * 2**20)
+                              max_bytes=None if args.max_mb is None else args.max_mb * 2**20,
+                              cache_dir=args.cache)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     print(json.dumps(corpus.describe(), indent=2))

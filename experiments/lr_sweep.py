@@ -225,7 +225,7 @@ def point_result(variant: str, lr: float, rec, eval_loss: float, compile_s: floa
 
 def run(out: str, preset_name: str = "smoke", variants=VARIANTS, lrs=None, steps=None, seed=0,
         time_budget_s: float | None = None, report_only: bool = False, log=print,
-        corpus: str | None = None) -> dict:
+        corpus: str | None = None, corpus_cache: str | None = None) -> dict:
     """Runs the missing points (within the time budget) and writes the report. Returns the
     summary (see ``summarize``). ``corpus``: the byte corpus source (default: the preset's)."""
     t_start = time.time()
@@ -254,7 +254,8 @@ def run(out: str, preset_name: str = "smoke", variants=VARIANTS, lrs=None, steps
         import jax
         cap = preset["max_corpus_mb"]
         corpus = build_corpus(corpus, max_bytes=None if cap is None else cap * 2**20,
-                              validation_percent=preset["validation_percent"])
+                              validation_percent=preset["validation_percent"],
+                              cache_dir=corpus_cache)
         write_settings(out, settings, corpus.describe())
         log(f"corpus: {json.dumps(corpus.describe())}")
         log(f"device: {jax.devices()[0].device_kind} x {jax.device_count()}; "
@@ -511,6 +512,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--corpus", default=None, choices=SOURCES,
                         help="the byte corpus (experiments.byte_corpus; default: the preset's)")
+    parser.add_argument("--corpus-cache", default=None, metavar="DIR",
+                        help="load the corpus from DIR if it holds it, else build it and save it there")
     parser.add_argument("--time-budget-s", type=float, default=None,
                         help="start no point that would end after this many seconds; rerun to continue")
     parser.add_argument("--report-only", action="store_true",
@@ -523,7 +526,8 @@ def main(argv=None) -> int:
         parser.error(f"--lrs: expected comma-separated numbers, got {args.lrs!r}")
     try:
         run(args.out, "smoke" if args.smoke else args.preset, variants, lrs, args.steps,
-            args.seed, args.time_budget_s, args.report_only, corpus=args.corpus)
+            args.seed, args.time_budget_s, args.report_only, corpus=args.corpus,
+            corpus_cache=args.corpus_cache)
     except ValueError as e:
         parser.error(str(e))
     return 0

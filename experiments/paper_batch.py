@@ -159,7 +159,8 @@ def variants_to_run(results: dict, variants) -> list[str]:
 
 def run(out: str, preset_name: str = "smoke", variants=("ls", "mhsa"), *,
         time_budget_s: float | None = None, max_steps: int | None = None, seed: int = 0,
-        corpus_mb: int | None = None, corpus: str | None = None, log=print) -> dict:
+        corpus_mb: int | None = None, corpus: str | None = None, corpus_cache: str | None = None,
+        log=print) -> dict:
     """Trains ``variants`` in rounds (each round: every variant ``eval_every`` steps on the same
     batches, then its held-out loss), so that they all stop at the same step; a time budget
     (from this call's start to its written report) cuts the last round to what fits."""
@@ -201,7 +202,8 @@ def run(out: str, preset_name: str = "smoke", variants=("ls", "mhsa"), *,
             results["variants"].pop(v, None)
             results["series"].pop(v, None)
         corpus = build_corpus(source, validation_percent=preset["validation_percent"],
-                              max_bytes=None if corpus_mb is None else corpus_mb * 2**20)
+                              max_bytes=None if corpus_mb is None else corpus_mb * 2**20,
+                              cache_dir=corpus_cache)
         check_same_corpus(out, results, corpus.describe())
         results["corpus"] = corpus.describe()
         mesh = data_mesh()
@@ -438,6 +440,8 @@ def main(argv=None) -> int:
                         help="the byte corpus (experiments.byte_corpus; default: the preset's)")
     parser.add_argument("--corpus-mb", type=int, default=None,
                         help="cap the corpus at this many MB (default: the whole preset corpus)")
+    parser.add_argument("--corpus-cache", default=None, metavar="DIR",
+                        help="load the corpus from DIR if it holds it, else build it and save it there")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report-only", action="store_true",
                         help="only redraw results.md and paper_batch.png from OUT/results.json")
@@ -450,7 +454,8 @@ def main(argv=None) -> int:
             return 0
         run(args.out, "smoke" if args.smoke else args.preset, variants,
             time_budget_s=args.time_budget_s, max_steps=args.max_steps,
-            seed=args.seed, corpus_mb=args.corpus_mb, corpus=args.corpus)
+            seed=args.seed, corpus_mb=args.corpus_mb, corpus=args.corpus,
+            corpus_cache=args.corpus_cache)
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     return 0

@@ -125,3 +125,19 @@ def test_window_sampler_is_a_seeded_permutation_per_epoch():
     assert [b[:, 0].tolist() for b in s.fixed_batches(5)] == [[0, 3, 6, 9], [12, 15, 18, 21]]
     with pytest.raises(ValueError, match="tokens: expected at least batch_size=4 windows"):
         WindowSampler(tokens_N[:8], seq_len=2, batch_size=4, seed=0)
+
+
+def test_build_corpus_cache_loads_what_it_saved_without_reading_files(tmp_path, monkeypatch):
+    built = build_corpus("stdlib", max_bytes=200_000, validation_percent=10, cache_dir=str(tmp_path))
+    assert len(list(tmp_path.glob("stdlib-*.npz"))) == 1
+    monkeypatch.setattr(byte_corpus, "_read", lambda path: pytest.fail(f"read {path}"))
+    loaded = build_corpus("stdlib", max_bytes=200_000, validation_percent=10,
+                          cache_dir=str(tmp_path))
+    assert np.array_equal(loaded.train_N, built.train_N)
+    assert np.array_equal(loaded.validation_N, built.validation_N)
+    assert loaded.describe() == built.describe()
+    # another cap or split is another corpus: it is built, not loaded
+    monkeypatch.undo()
+    other = build_corpus("stdlib", max_bytes=100_000, validation_percent=10, cache_dir=str(tmp_path))
+    assert other.train_N.size < built.train_N.size
+    assert len(list(tmp_path.glob("stdlib-*.npz"))) == 2 and not list(tmp_path.glob("*.tmp"))

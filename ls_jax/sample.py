@@ -54,12 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dtype", default="bfloat16", choices=_DTYPES)
     args = parser.parse_args(argv)
 
-    import jax.numpy as jnp
+    try:
+        import jax.numpy as jnp
 
-    from ls_jax.checkpoint import CheckpointError
-    from ls_jax.generate import generate
-    from ls_jax.rundir import RunDir
-    from ls_jax.tokenizer import make_tokenizer
+        from ls_jax.checkpoint import CheckpointError
+        from ls_jax.generate import generate
+        from ls_jax.rundir import RunDir
+        from ls_jax.tokenizer import make_tokenizer
+    except ModuleNotFoundError as e:  # not the venv, or no [train] extra: one line, exit 2
+        from ls_jax.run_hint import how_to_run
+        print(how_to_run(e, ["-m", "ls_jax.sample", *(sys.argv[1:] if argv is None else argv)],
+                         "sample", "sampling"), file=sys.stderr)
+        return 2
 
     try:
         if not args.prompt:

@@ -92,7 +92,8 @@ def _train_epilog() -> str:
     return "\n".join(lines)
 
 
-def train_main(argv: list[str] | None = None) -> int:
+def train_parser() -> argparse.ArgumentParser:
+    """``train.py``'s command line."""
     parser = _Parser(description="Train an LS-attention language model.",
                      epilog=_train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="tiny", metavar="NAME",
@@ -111,6 +112,11 @@ def train_main(argv: list[str] | None = None) -> int:
                              "data, writes nothing (exit 3: does not fit)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides, e.g. train.lr=1e-3 model.window=64")
+    return parser
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    parser = train_parser()
     args = parser.parse_args(argv)
     try:
         cfg = get_config(args.config, args.overrides)
@@ -147,7 +153,8 @@ def train_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def eval_main(argv: list[str] | None = None) -> int:
+def eval_parser() -> argparse.ArgumentParser:
+    """``eval.py``'s command line."""
     parser = _Parser(description="Evaluate a checkpoint written by train.py.")
     parser.add_argument("--checkpoint", required=True, help="the run directory (train --workdir)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
@@ -163,7 +170,11 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides that leave the model alone: data.* (e.g. a moved "
                              "data.data_dir or data.tokenizer path) and train.*; model.* is refused")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    args = eval_parser().parse_args(argv)
     header = eval_header(args)
     if header:  # at once: the imports and the restore take seconds, a whole split minutes
         print(header, flush=True)

@@ -34,7 +34,8 @@ def load_model(workdir: str, step: int | None = None):
     return model, cfg, step
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The sampling command line (``python -m ls_jax.sample``, ``ls-jax-sample``)."""
     parser = argparse.ArgumentParser(
         prog="python -m ls_jax.sample",
         description="Generate text with a model trained by train.py (KV-cache decoding).")
@@ -52,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not stop at the tokenizer's end-of-document token")
     parser.add_argument("--chunk-size", type=int, default=512, help="prefill chunk length")
     parser.add_argument("--cache-dtype", default="bfloat16", choices=_DTYPES)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     try:
         import jax.numpy as jnp

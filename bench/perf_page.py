@@ -76,7 +76,8 @@ def load_tables(folder: str = TABLES) -> list[dict]:
 
 def render_table(table: dict) -> str:
     lines = [f"### {table['title']}", "",
-             f"Measured on {table['card']}, commit {table['commit']}; `{table['file']}`; regenerate:", ""]
+             f"Measured on {table['card']}, commit {table['commit']}; `{table['file']}`; "
+             f"regenerate:", ""]
     lines += [f"    {command}" for command in table["commands"]]
     headers = [c["header"] for c in table["columns"]]
     lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

@@ -80,7 +80,7 @@ def _train_epilog() -> str:
     width = max(len(name) for name in CONFIGS)
     lines = ["named configs (--config NAME):"]
     for name, make in CONFIGS.items():
-        summary = (make.__doc__ or "").strip().splitlines()[0] if make.__doc__ else ""
+        summary = (make.__doc__ or "").strip().splitlines()[0].rstrip(".") if make.__doc__ else ""
         lines.append(f"  {name:<{width}}  {summary}")
     lines += ["", "override keys (section.key=value):"]
     keys = valid_keys(get_config("tiny"))

@@ -18,7 +18,7 @@ PAPER_WINDOW = PAPER_SPAN + 1  # = 51 keys, query included
 
 
 def paper() -> Config:
-    """The paper's LS model: 6 layers, d=192, 1 global + 5 local heads (window 51), PG-19, T=2048."""
+    """The paper's LS model: 6 layers, d=192, 1 global + 5 local heads (window 51), PG-19."""
     return Config(
         name="paper",
         model=ModelConfig(vocab_size=10_000, n_layer=6, d_model=192, n_head=6, head_dim=32,

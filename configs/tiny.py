@@ -10,7 +10,7 @@ from ls_jax.config import Config, DataConfig, ModelConfig, TrainConfig
 
 
 def tiny() -> Config:
-    """LS, 4 layers, d=128, 1 global + 3 local heads (window 32), bytes, T=256, the stdlib corpus."""
+    """LS: 4 layers, d=128, 1 global + 3 local heads (window 32), bytes, T=256, stdlib corpus."""
     return Config(
         name="tiny",
         model=ModelConfig(vocab_size=256, n_layer=4, d_model=128, n_head=4, head_dim=32,

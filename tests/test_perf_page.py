@@ -8,7 +8,8 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("perf_page", os.path.join(ROOT, "bench", "perf_page.py"))
+_spec = importlib.util.spec_from_file_location("perf_page",
+                                               os.path.join(ROOT, "bench", "perf_page.py"))
 perf_page = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(perf_page)
 
@@ -16,7 +17,8 @@ _spec.loader.exec_module(perf_page)
 def test_committed_page_matches_its_json():
     with open(perf_page.PAGE) as f:
         assert f.read() == perf_page.render(perf_page.load_tables()), (
-            "docs/performance.md differs from docs/performance/*.json: run python bench/perf_page.py")
+            "docs/performance.md differs from docs/performance/*.json: "
+            "run python bench/perf_page.py")
 
 
 def test_every_table_names_card_commit_and_a_command():

@@ -16,7 +16,8 @@ from ls_jax.sample import build_parser as sample_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # docs/stability.md is written from its experiments' results, with its own commands
-PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
+                               for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
                                if not p.endswith("stability.md"))
 MAX_LINES = {"README.md": 250}  # every other page: 300
 # pages linked from the README and the index that arrive with the op/module work; remove an
@@ -25,7 +26,8 @@ LINKED_BEFORE_WRITTEN = {"docs/library.md"}
 # Python examples that need what a CPU test has not got: (page, a line of the example, why)
 NOT_RUN = [
     ("docs/data.md", "mngr.save(step", "a fragment inside an orbax checkpoint manager"),
-    ("docs/generation.md", "from ls_jax.generate import generate", "needs a trained model and prompts"),
+    ("docs/generation.md", "from ls_jax.generate import generate",
+     "needs a trained model and prompts"),
     ("docs/usage.md", "jax.make_mesh((2, 2)", "needs 4 devices: tests/partition_cases.py runs it"),
     ("docs/usage.md", "load_model(\"runs/tiny\")", "needs a trained run"),
 ]
@@ -77,7 +79,8 @@ def test_page_states_the_present(page):
     for name, pattern in [("a date", r"\b20\d\d-\d\d-\d\d\b"), ("today", r"\btoday\b"),
                           ("at <commit>", r"\bat [0-9a-f]{7,40}\b"),
                           ("before/after", r"\bbefore/after\b")]:
-        assert not re.search(pattern, text, re.I), f"{page}: {name}: {re.search(pattern, text, re.I)}"
+        found = re.search(pattern, text, re.I)
+        assert not found, f"{page}: {name}: {found.group(0)!r}"
 
 
 def _slug(heading: str) -> str:
@@ -106,7 +109,8 @@ def test_pages_linked_before_written_are_still_missing():
 
 
 @pytest.mark.parametrize("page,index", [
-    pytest.param(page, i, id=f"{page}:{i}") for page in PAGES for i in range(len(python_blocks(page)))])
+    pytest.param(page, i, id=f"{page}:{i}")
+    for page in PAGES for i in range(len(python_blocks(page)))])
 def test_python_example_runs(page, index):
     code = python_blocks(page)[index]
     for skip_page, skip_marker, why in NOT_RUN:
@@ -192,8 +196,8 @@ def test_script_flags_exist(page):
     """``python bench/X.py --flag`` and ``python -m package.module --flag``: the script exists
     and defines each flag the page passes it."""
     for command in shell_commands(page):
-        for script, args in re.findall(r"python (?:-m )?((?:bench|experiments|ls_jax)[/.]\w+(?:\.py)?)"
-                                       r"((?: [^|;&]*)?)", command):
+        pattern = r"python (?:-m )?((?:bench|experiments|ls_jax)[/.]\w+(?:\.py)?)((?: [^|;&]*)?)"
+        for script, args in re.findall(pattern, command):
             path = script if script.endswith(".py") else script.replace(".", "/") + ".py"
             assert os.path.exists(os.path.join(ROOT, path)), (page, command)
             source = read(path)

@@ -34,13 +34,15 @@ help:
 	@echo "make test-jax-next - the op, module, partitioning and export tests on jax $(JAX_NEXT)"
 	@echo "make bench   - attention benchmark (needs an NVIDIA GPU)"
 
+# The editable install silences setuptools' warning that folders named like the package may
+# shadow it (here they are the package).
 $(VENV)/.installed: requirements.txt pyproject.toml Makefile
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.12 found; set PYTHON=/path/to/python3.12" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements.txt
 	if [ -n "$(JAX_EXTRA)" ]; then $(PY) -m pip install -q "jax[$(JAX_EXTRA)]==0.11.2"; fi
-	$(PY) -m pip install -q --no-deps -e .
+	PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q --no-deps -e .
 	$(PY) -m compileall -q ls_jax kernels configs  # the editable install leaves them uncompiled
 	touch $@
 

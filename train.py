@@ -16,5 +16,9 @@ def _stop_outside_the_run(signum, frame):
 if __name__ == "__main__":
     for _sig in (signal.SIGTERM, signal.SIGINT):  # before the imports, which take seconds
         signal.signal(_sig, _stop_outside_the_run)
-    from ls_jax.configs.cli import train_main
+    try:
+        from ls_jax.configs.cli import train_main
+    except ModuleNotFoundError as e:  # a Python without the project's packages (not the venv)
+        from ls_jax.run_hint import how_to_run
+        sys.exit(how_to_run(e, [sys.argv[0], *sys.argv[1:]], "train", "training"))
     sys.exit(train_main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Callable
 
 from ls_jax.config import Config
@@ -21,7 +22,9 @@ CONFIGS: dict[str, Callable[[], Config]] = {
 def get_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The config called ``name`` with ``section.key=value`` overrides applied."""
     if name not in CONFIGS:
-        raise ValueError(f"config: expected one of {sorted(CONFIGS)}, got {name!r}")
+        close = difflib.get_close_matches(name, list(CONFIGS), n=2)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise ValueError(f"config: expected one of {sorted(CONFIGS)}, got {name!r}{hint}")
     return CONFIGS[name]().override(list(overrides))
 
 

@@ -10,10 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 import types
 
-from ls_jax.configs import get_config
+from ls_jax.config import valid_keys
+from ls_jax.configs import CONFIGS, get_config
 from ls_jax.gc_pause import collection_paused
+from ls_jax.rundir import RunDir
 
 
 def _train_extra() -> types.SimpleNamespace:
@@ -71,11 +74,30 @@ def _one_line(e: BaseException) -> str:
     return f"error: {text or type(e).__name__}"
 
 
-def train_main(argv: list[str] | None = None) -> int:
-    parser = _Parser(
-        description="Train an LS-attention language model.",
-        epilog="Example: python train.py --config tiny --workdir runs/tiny train.num_steps=200")
-    parser.add_argument("--config", default="tiny", help="named config (configs/): %(default)s")
+def _train_epilog() -> str:
+    """``train.py --help``'s end: every named config with its one-line summary, and every
+    override key by section."""
+    width = max(len(name) for name in CONFIGS)
+    lines = ["named configs (--config NAME):"]
+    for name, make in CONFIGS.items():
+        summary = (make.__doc__ or "").strip().splitlines()[0].rstrip(".") if make.__doc__ else ""
+        lines.append(f"  {name:<{width}}  {summary}")
+    lines += ["", "override keys (section.key=value):"]
+    keys = valid_keys(get_config("tiny"))
+    for section in dict.fromkeys(k.partition(".")[0] for k in keys):
+        names = ", ".join(k.partition(".")[2] for k in keys if k.startswith(section + "."))
+        lines += textwrap.wrap(names, 96, initial_indent=f"  {section}: ",
+                               subsequent_indent=" " * (len(section) + 4))
+    lines += ["", "example: python train.py --config tiny --workdir runs/tiny train.num_steps=200"]
+    return "\n".join(lines)
+
+
+def train_parser() -> argparse.ArgumentParser:
+    """``train.py``'s command line."""
+    parser = _Parser(description="Train an LS-attention language model.",
+                     epilog=_train_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="tiny", metavar="NAME",
+                        help="named config, listed below (default: %(default)s)")
     parser.add_argument("--workdir", default=None,
                         help="run directory (checkpoints, metrics); default runs/<config>. "
                              "Rerunning the same command resumes from its latest checkpoint.")
@@ -90,6 +112,11 @@ def train_main(argv: list[str] | None = None) -> int:
                              "data, writes nothing (exit 3: does not fit)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides, e.g. train.lr=1e-3 model.window=64")
+    return parser
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    parser = train_parser()
     args = parser.parse_args(argv)
     try:
         cfg = get_config(args.config, args.overrides)
@@ -126,7 +153,8 @@ def train_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def eval_main(argv: list[str] | None = None) -> int:
+def eval_parser() -> argparse.ArgumentParser:
+    """``eval.py``'s command line."""
     parser = _Parser(description="Evaluate a checkpoint written by train.py.")
     parser.add_argument("--checkpoint", required=True, help="the run directory (train --workdir)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
@@ -142,26 +170,75 @@ def eval_main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides that leave the model alone: data.* (e.g. a moved "
                              "data.data_dir or data.tokenizer path) and train.*; model.* is refused")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    args = eval_parser().parse_args(argv)
+    header = eval_header(args)
+    if header:  # at once: the imports and the restore take seconds, a whole split minutes
+        print(header, flush=True)
     lib = _train_extra()
     run = lib.RunDir(args.checkpoint)  # no log file where there is no run directory
     lib.send_library_logs_to(run.library_log_path if os.path.isdir(run.path) else None,
                          echo=args.debug)
+    bar = _progress_bar(args.max_batches)
     try:
         result = lib.evaluate_checkpoint(args.checkpoint, step=args.step, split=args.split,
                                          seq_len=args.seq_len, max_batches=args.max_batches,
                                          batch_size=args.batch_size, output=args.output,
-                                         overrides=args.overrides)
+                                         overrides=args.overrides,
+                                         on_batch=None if bar is None else bar.update)
     except lib.expected_errors as e:
         if args.debug:
             raise
         print(_one_line(e), file=sys.stderr)
         return 2
+    finally:
+        if bar is not None:
+            bar.close()
     print(format_eval(result))
     if result.get("output_error"):
         print(f"error: {result['output_error']}", file=sys.stderr)
         return 2
     return 0
+
+
+def eval_header(args: argparse.Namespace) -> str | None:
+    """What ``eval.py`` is about to do, from the run directory alone (no JAX): checkpoint,
+    step, split, sequence length, batch size and how many batches. None where the directory
+    is not a readable run (the evaluation then says what is wrong)."""
+    run = RunDir(args.checkpoint)
+    try:
+        cfg = run.load_config()
+        steps = run.checkpoint_steps()
+    except (OSError, ValueError):
+        return None
+    try:
+        cfg = cfg.override(args.overrides)
+    except ValueError:
+        pass  # the evaluation refuses the override in one line
+    if args.step is not None:
+        step = str(args.step)
+    elif steps:
+        step = f"{steps[-1]} (the latest)"
+    else:
+        return None
+    k = args.max_batches
+    batches = (f"the first {k} batch{'es' if k > 1 else ''}" if k
+               else "every batch of the split (--max-batches K: the first K)")
+    return (f"eval: checkpoint {args.checkpoint}, step {step}, split "
+            f"{args.split or cfg.data.eval_split}, T={args.seq_len or cfg.data.seq_len}, "
+            f"batch {args.batch_size or cfg.train.batch_size}, {batches}")
+
+
+def _progress_bar(total: int | None):
+    """A tqdm bar of evaluated batches on a terminal, as ``train.py``'s steps; elsewhere (logs,
+    CI, a pipe) None: nothing between the header and the results."""
+    if not sys.stderr.isatty():
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, unit="batch", desc="eval", dynamic_ncols=True, mininterval=1.0)
 
 
 def format_eval(r: dict) -> str:

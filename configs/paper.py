@@ -18,6 +18,7 @@ PAPER_WINDOW = PAPER_SPAN + 1  # = 51 keys, query included
 
 
 def paper() -> Config:
+    """The paper's LS model: 6 layers, d=192, 1 global + 5 local heads (window 51), PG-19."""
     return Config(
         name="paper",
         model=ModelConfig(vocab_size=10_000, n_layer=6, d_model=192, n_head=6, head_dim=32,
@@ -32,21 +33,21 @@ def paper() -> Config:
 
 
 def paper_mhsa() -> Config:
-    """Plain multi-head self-attention: all 6 heads global."""
+    """paper with plain multi-head self-attention: all 6 heads global."""
     cfg = paper()
     return dataclasses.replace(cfg, name="paper_mhsa",
                                model=dataclasses.replace(cfg.model, n_global_heads=6))
 
 
 def paper_qknorm() -> Config:
-    """MHSA with QK-normalisation (a stabilising baseline)."""
+    """paper_mhsa with QK-normalisation (a stabilising baseline)."""
     cfg = paper_mhsa()
     return dataclasses.replace(cfg, name="paper_qknorm",
                                model=dataclasses.replace(cfg.model, qk_norm=True))
 
 
 def paper_zloss() -> Config:
-    """MHSA with z-loss 1e-4 * logsumexp^2 (the regulariser the paper's author also tried)."""
+    """paper_mhsa with z-loss 1e-4 * logsumexp^2 (the regulariser the paper's author also tried)."""
     cfg = paper_mhsa()
     return dataclasses.replace(cfg, name="paper_zloss",
                                train=dataclasses.replace(cfg.train, z_loss=1e-4))

@@ -10,6 +10,7 @@ from ls_jax.config import Config, DataConfig, ModelConfig, TrainConfig
 
 
 def tiny() -> Config:
+    """LS: 4 layers, d=128, 1 global + 3 local heads (window 32), bytes, T=256, stdlib corpus."""
     return Config(
         name="tiny",
         model=ModelConfig(vocab_size=256, n_layer=4, d_model=128, n_head=4, head_dim=32,
@@ -21,6 +22,7 @@ def tiny() -> Config:
 
 
 def tiny_mhsa() -> Config:
+    """tiny with plain multi-head self-attention: all 4 heads global."""
     cfg = tiny()
     return dataclasses.replace(cfg, name="tiny_mhsa",
                                model=dataclasses.replace(cfg.model, n_global_heads=cfg.model.n_head))

@@ -1,13 +1,14 @@
 """Typed, validated configuration: model, data, training, and the whole run.
 
 Configs are frozen dataclasses. ``Config.override(["train.lr=1e-3", "model.n_layer=4"])``
-applies command-line ``section.key=value`` overrides with type checking; unknown keys or bad
-values raise ``ValueError`` listing the valid keys.
+applies command-line ``section.key=value`` overrides with type checking; an unknown key or a bad
+value raises a one-line ``ValueError`` (an unknown key names the closest valid ones).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import types
@@ -280,16 +281,17 @@ class Config:
         changes: dict[str, dict[str, Any]] = {name: {} for name in sections}
         for item in assignments:
             if "=" not in item:
-                raise ValueError(
-                    f"override: expected 'section.key=value', got {item!r}. Valid keys: "
-                    f"{', '.join(valid_keys(self))}")
+                hint = (f"; did you mean {item.strip()}=<value>?" if item.strip() in valid_keys(self)
+                        else _did_you_mean(item.strip(), valid_keys(self)))
+                raise ValueError(f"override: expected 'section.key=value', got {item!r}{hint}")
             path, raw = item.split("=", 1)
             section, _, key = path.strip().partition(".")
             fields = {f.name: f for f in dataclasses.fields(sections[section])} \
                 if section in sections else {}
             if key not in fields:
                 raise ValueError(
-                    f"override: unknown key {path.strip()!r}. Valid keys: {', '.join(valid_keys(self))}")
+                    f"override: unknown key {path.strip()!r}"
+                    f"{_did_you_mean(path.strip(), valid_keys(self))}")
             hint = typing.get_type_hints(type(sections[section]))[key]
             changes[section][key] = parse_value(path.strip(), raw.strip(), hint)
         new = {name: dataclasses.replace(sec, **changes[name]) for name, sec in sections.items()}
@@ -323,6 +325,40 @@ def valid_keys(cfg: Config) -> list[str]:
         if dataclasses.is_dataclass(sec):
             keys += [f"{f.name}.{g.name}" for g in dataclasses.fields(sec)]
     return keys
+
+
+def close_keys(key: str, keys: list[str], n: int = 3) -> list[str]:
+    """Up to ``n`` of ``keys`` closest to ``key`` (``section.key``), best first: the same key
+    name in another section, else the closest spellings of the whole key or of its name; a
+    suggestion scores at least 0.75 (difflib's ratio) and within 0.1 of the best."""
+    name = key.rpartition(".")[2]
+
+    def score(k: str) -> float:
+        k_name = k.rpartition(".")[2]
+        if k_name == name:
+            return 1.0
+        return max(difflib.SequenceMatcher(None, key, k).ratio(),
+                   difflib.SequenceMatcher(None, name, k_name).ratio())
+
+    scored = sorted(((score(k), k) for k in keys if k != key), key=lambda sk: -sk[0])
+    if not scored or scored[0][0] < 0.75:
+        return []
+    return [k for s, k in scored if s >= max(0.75, scored[0][0] - 0.1)][:n]
+
+
+def _did_you_mean(key: str, keys: list[str]) -> str:
+    """The end of an unknown key's error: ``"; did you mean a or b?"``, else the keys of its
+    section, else the sections (``train.py --help`` lists every key)."""
+    close = close_keys(key, keys)
+    if close:
+        return f"; did you mean {' or '.join(close)}?"
+    section = key.partition(".")[0]
+    in_section = [k.partition(".")[2] for k in keys if k.partition(".")[0] == section]
+    if in_section:
+        return f"; the keys of {section}: {', '.join(in_section)}"
+    sections = list(dict.fromkeys(k.partition(".")[0] for k in keys))
+    return (f"; expected <section>.<key> with a section of {', '.join(sections)} "
+            f"(train.py --help lists the keys)")
 
 
 def parse_value(name: str, raw: str, hint) -> Any:

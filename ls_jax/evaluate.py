@@ -64,13 +64,15 @@ def eval_batch_size(cfg: Config, batch_size: int | None = None) -> int:
 def evaluate_model(model: nnx.Module, cfg: Config, *, split: str | None = None,
                    seq_len: int | None = None, max_batches: int | None = None,
                    batch_size: int | None = None,
-                   should_stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
+                   should_stop: Callable[[], bool] | None = None,
+                   on_batch: Callable[[], None] | None = None) -> dict[str, Any] | None:
     """Mean loss (nats/token), perplexity, bits per byte and max |logit| stats over a split.
 
     seq_len may differ from training (length generalisation); the whole split is read once,
     in order, unless ``max_batches`` caps it (the training run's evals read the first
     ``train.eval_batches``). ``should_stop``: checked before each batch; once it returns True
-    the evaluation ends and returns None.
+    the evaluation ends and returns None. ``on_batch``: called after each batch (a progress
+    bar's update).
     """
     for name, value in (("seq_len", seq_len), ("max_batches", max_batches)):
         _check_at_least_one(name, value)
@@ -113,6 +115,8 @@ def evaluate_model(model: nnx.Module, cfg: Config, *, split: str | None = None,
                 totals = {k: (np.maximum(totals[k], v) if k.endswith("max_abs_logit")
                               else totals[k] + v) for k, v in out.items()}
             n_batches += 1
+            if on_batch is not None:
+                on_batch()
             if max_batches is not None and n_batches >= max_batches:
                 break
     finally:
@@ -157,13 +161,15 @@ def eval_config(cfg: Config, overrides: list[str] | tuple[str, ...] = ()) -> Con
 def evaluate_checkpoint(workdir: str, *, step: int | None = None, split: str | None = None,
                         seq_len: int | None = None, max_batches: int | None = None,
                         batch_size: int | None = None, output: str | None = None,
-                        overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+                        overrides: list[str] | tuple[str, ...] = (),
+                        on_batch: Callable[[], None] | None = None) -> dict[str, Any]:
     """Restores the parameters of ``step`` (default: latest) of the run in ``workdir`` (not the
     optimizer state) and evaluates them, with ``eval_config`` overrides applied.
 
     Writes the result as JSON to ``output`` (default ``RunDir.eval_path``, one name per
     evaluation: ``<workdir>/eval_step<S>_<split>_T<T>_B<B>_<all|first<K>>[_o<hash>].json``).
     If it cannot be written, the result has ``output=None`` and ``output_error`` says why.
+    ``on_batch``: as in ``evaluate_model``.
     """
     for name, value in (("seq_len", seq_len), ("max_batches", max_batches),
                         ("batch_size", batch_size)):
@@ -177,7 +183,7 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, split: str | N
     result = {"workdir": os.path.abspath(workdir), "step": step, "config": cfg.name,
               "overrides": list(overrides),
               **evaluate_model(model, cfg, split=split, seq_len=seq_len, max_batches=max_batches,
-                               batch_size=batch_size)}
+                               batch_size=batch_size, on_batch=on_batch)}
     try:
         write_atomically(output, json.dumps(result, indent=2))
     except OSError as e:  # e.g. a read-only run directory: the numbers are still returned

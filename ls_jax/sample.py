@@ -34,7 +34,8 @@ def load_model(workdir: str, step: int | None = None):
     return model, cfg, step
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The sampling command line (``python -m ls_jax.sample``, ``ls-jax-sample``)."""
     parser = argparse.ArgumentParser(
         prog="python -m ls_jax.sample",
         description="Generate text with a model trained by train.py (KV-cache decoding).")
@@ -52,14 +53,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not stop at the tokenizer's end-of-document token")
     parser.add_argument("--chunk-size", type=int, default=512, help="prefill chunk length")
     parser.add_argument("--cache-dtype", default="bfloat16", choices=_DTYPES)
-    args = parser.parse_args(argv)
+    return parser
 
-    import jax.numpy as jnp
 
-    from ls_jax.checkpoint import CheckpointError
-    from ls_jax.generate import generate
-    from ls_jax.rundir import RunDir
-    from ls_jax.tokenizer import make_tokenizer
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    try:
+        import jax.numpy as jnp
+
+        from ls_jax.checkpoint import CheckpointError
+        from ls_jax.generate import generate
+        from ls_jax.rundir import RunDir
+        from ls_jax.tokenizer import make_tokenizer
+    except ModuleNotFoundError as e:  # not the venv, or no [train] extra: one line, exit 2
+        from ls_jax.run_hint import how_to_run
+        print(how_to_run(e, ["-m", "ls_jax.sample", *(sys.argv[1:] if argv is None else argv)],
+                         "sample", "sampling"), file=sys.stderr)
+        return 2
 
     try:
         if not args.prompt:

@@ -146,16 +146,16 @@ def case_refused(axis_type: str):
 
 
 def case_readme():
-    """The README's mesh example: its output's sharding and the gathers of its program."""
+    """docs/usage.md's mesh example: its output's sharding and the gathers of its program."""
     import pathlib
     import re
 
     from ls_jax.kernels.sharded import qkv_gathers
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
                 if "jax.make_mesh" in b]
     ns: dict = {}
-    exec(compile(block, "README.md", "exec"), ns)
+    exec(compile(block, "docs/usage.md", "exec"), ns)
     f = jax.jit(lambda q, k, v: ns["ls_attention"](q, k, v, (None, 64, 64, 64)))
     hlo = f.lower(ns["q"], ns["k"], ns["v"]).compile().as_text()
     return {"out_spec": str(ns["out"].sharding.spec), "gathers": len(qkv_gathers(hlo, 256, 4, 32))}

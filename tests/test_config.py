@@ -35,9 +35,15 @@ def test_overrides_parse_types():
 
 
 @pytest.mark.parametrize("override,pattern", [
-    ("train.lrate=1", r"override: unknown key 'train.lrate'. Valid keys: .*train.lr"),
-    ("optim.lr=1", r"override: unknown key 'optim.lr'"),
-    ("lr", r"override: expected 'section.key=value', got 'lr'"),
+    ("train.lrate=1", r"^override: unknown key 'train.lrate'; did you mean train.lr\?$"),
+    ("train.num_step=3", r"^override: unknown key 'train.num_step'; did you mean train.num_steps\?$"),
+    ("optim.lr=1", r"^override: unknown key 'optim.lr'; did you mean train.lr\?$"),
+    ("train.learning_rate=1", r"^override: unknown key 'train.learning_rate'; the keys of train: seed, "),
+    ("zzz.qqq=1", r"^override: unknown key 'zzz.qqq'; expected <section>.<key> with a section of "
+                  r"model, data, train, mesh"),
+    ("lr", r"^override: expected 'section.key=value', got 'lr'; did you mean train.lr\?$"),
+    ("train.lr", r"^override: expected 'section.key=value', got 'train.lr'; did you mean "
+                 r"train.lr=<value>\?$"),
     ("model.n_layer=two", r"model.n_layer: expected an int, got 'two'"),
     ("model.qk_norm=maybe", r"model.qk_norm: expected a bool"),
     ("model.n_global_heads=7", r"model.n_global_heads: expected an int in \[0, n_head=4\], got 7"),

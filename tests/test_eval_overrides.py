@@ -1,6 +1,7 @@
 """eval.py: section.key=value overrides that leave the model alone (a moved data path), model.*
 refused in one line, only the parameters restored (the optimizer state stays on disk), values
-below 1 refused, one result file per evaluation."""
+below 1 refused, one result file per evaluation, a header before the work and progress only on a
+terminal."""
 
 import json
 import os
@@ -142,3 +143,23 @@ def test_each_evaluation_keeps_its_own_results(run_on_moved_corpus, capsys):
     results = [json.load(open(p)) for p in paths[:4]]
     assert [(r["batch_size"], r["max_batches"], r["batches"], len(r["overrides"]))
             for r in results] == [(2, 1, 1, 1), (1, 1, 1, 1), (1, 2, 2, 1), (2, 1, 1, 2)]
+
+
+def test_header_first_and_no_progress_off_a_terminal(run_on_moved_corpus, capsys):
+    workdir, moved = run_on_moved_corpus
+    assert eval_main(["--checkpoint", workdir, "--split", "train", "--max-batches", "2",
+                      f"data.source=text:{moved}/*.txt"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == (f"eval: checkpoint {workdir}, step 2 (the latest), split "
+                                   f"train, T=64, batch 8, the first 2 batches")
+    assert "perplexity" in out and err == ""  # captured output is no terminal: no bar
+
+
+def test_on_batch_is_called_once_per_batch(run_on_moved_corpus):
+    workdir, moved = run_on_moved_corpus
+    calls = []
+    result = evaluate_checkpoint(workdir, split="train", max_batches=3,
+                                 output=os.path.join(workdir, "on_batch.json"),
+                                 overrides=[f"data.source=text:{moved}/*.txt"],
+                                 on_batch=lambda: calls.append(1))
+    assert len(calls) == result["batches"] == 3

@@ -1,0 +1,122 @@
+"""Writes docs/performance.md from the measured tables in docs/performance/*.json.
+
+    python bench/perf_page.py            # rewrite the page
+    python bench/perf_page.py --check    # exit 1 if the page differs from what the JSON gives
+
+Each JSON file is one table: ``section`` (a key of ``SECTIONS``), ``title``, ``card``, ``commit``,
+``commands`` (what regenerates the rows), optional ``note`` (markdown after the table),
+``columns`` (``header`` and a ``cell`` template in ``str.format`` syntax over a row's fields)
+and ``rows`` (the measured fields). Files are read in name order; a new measurement replaces
+a file's rows, card, commit and commands, and this script rewrites the page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import textwrap
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TABLES = os.path.join(ROOT, "docs", "performance")
+PAGE = os.path.join(ROOT, "docs", "performance.md")
+REQUIRED = ("section", "title", "card", "commit", "commands", "columns", "rows")
+
+INTRO = """\
+# Performance
+
+Measured tables, each with the card, the commit and the commands that regenerate it. This page
+is written by `python bench/perf_page.py` from `docs/performance/*.json` (edit those, then
+rerun it; `tests/test_perf_page.py` checks that the two agree). Why the kernels are built as
+they are: [kernel-notes.md](kernel-notes.md).
+
+How to read the kernel tables (`bench/attention.py`):
+
+- **Timing**: each sample is the mean of `--batch` back-to-back calls on fresh inputs, a row
+  the median of `--reps` samples after warm-up; milliseconds. bf16, batch 4, 16 query heads,
+  unless a row says otherwise. `--check` compares every row with the reference on the GPU.
+- **Peers**: "comp." is the cuDNN composition, `implementation="cudnn"`: one cuDNN call for the
+  global heads and one with `local_window_size=(p-1, 0)` per local window. "cuDNN" is
+  `jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`.
+- **Ratio** = the peer's time over ours: above 1, ours is faster. **% of floor** = the floor's
+  time over ours, the floor being the larger of the band's FLOPs and the bytes that must move
+  at the card's peak rates (`bench/hardware.py`).
+- **Head mixes**: `1g15l` = 1 global + 15 local heads of window p (`2g14l` likewise), `local`
+  every head local, `global` every head global; "with stats" = `return_logit_stats=True`.
+- Compare inside a table: the same kernel moves by a few percent between machines.
+"""
+
+SECTIONS = {
+    "kernel": "The attention kernels (`implementation=None` on a GPU)",
+    "inference": "Inference: prefill and decoding, LS against MHSA (`bench/inference.py`)",
+    "devices": "Many GPUs",
+    "startup": "Start-up on a GPU (`bench/startup.py`)",
+    "cpu": "On CPU",
+}
+
+
+def load_tables(folder: str = TABLES) -> list[dict]:
+    """The tables of ``folder`` in file-name order, each checked for the required fields."""
+    tables = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        with open(path) as f:
+            table = json.load(f)
+        missing = [k for k in REQUIRED if not table.get(k)]
+        if missing:
+            raise ValueError(f"{path}: expected the fields {list(REQUIRED)}, missing {missing}")
+        if table["section"] not in SECTIONS:
+            raise ValueError(f"{path}: section: expected one of {list(SECTIONS)}, "
+                             f"got {table['section']!r}")
+        table["file"] = os.path.relpath(path, ROOT)
+        tables.append(table)
+    return tables
+
+
+def render_table(table: dict) -> str:
+    lines = [f"### {table['title']}", "",
+             f"Measured on {table['card']}, commit {table['commit']}; `{table['file']}`; "
+             f"regenerate:", ""]
+    lines += [f"    {command}" for command in table["commands"]]
+    headers = [c["header"] for c in table["columns"]]
+    lines += ["", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for row in table["rows"]:
+        lines.append("| " + " | ".join(c["cell"].format(**row) for c in table["columns"]) + " |")
+    if table.get("note"):
+        lines += ["", textwrap.fill(table["note"], 96, break_long_words=False,
+                                    break_on_hyphens=False)]
+    return "\n".join(lines)
+
+
+def render(tables: list[dict]) -> str:
+    parts = [INTRO]
+    for key, heading in SECTIONS.items():
+        inside = [t for t in tables if t["section"] == key]
+        if inside:
+            parts.append(f"## {heading}")
+            parts += [render_table(t) for t in inside]
+    return "\n\n".join(p.rstrip("\n") for p in parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="compare the page with the JSON instead of writing it")
+    args = parser.parse_args(argv)
+    text = render(load_tables())
+    if args.check:
+        with open(PAGE) as f:
+            if f.read() != text:
+                print(f"error: {os.path.relpath(PAGE)} differs from docs/performance/*.json: "
+                      f"run python bench/perf_page.py", file=sys.stderr)
+                return 1
+        return 0
+    with open(PAGE, "w") as f:
+        f.write(text)
+    print(f"wrote {os.path.relpath(PAGE)} from {len(load_tables())} tables")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

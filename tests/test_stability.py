@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 
 from experiments import paper_batch, paper_claims, stability
-from experiments.stability_report import count_spikes, summarize
+from experiments.rules import count_spikes
 from ls_jax.configs import get_config
 
 
@@ -39,8 +39,8 @@ def test_smoke_run_writes_metrics_plot_and_table(tmp_path):
         assert float(cells[header.index("final train loss")]) > 0
         assert cells[header.index("diverged")] in ("yes", "no")
     # the variants differ where they should: QK-norm changes the attention logits
-    qk = summarize([json.loads(x) for x in open(os.path.join(out, "mhsa_qknorm", "metrics.jsonl"))], {})
-    plain = summarize([json.loads(x) for x in open(os.path.join(out, "mhsa", "metrics.jsonl"))], {})
+    qk = stability.summarize([json.loads(x) for x in open(os.path.join(out, "mhsa_qknorm", "metrics.jsonl"))], {})
+    plain = stability.summarize([json.loads(x) for x in open(os.path.join(out, "mhsa", "metrics.jsonl"))], {})
     assert qk["final_max_abs_logit"] != plain["final_max_abs_logit"]
     # a second call resumes nothing: every variant is finished
     again = stability.run(out, "smoke", overrides=SMALL, log=lambda m: None)

@@ -38,7 +38,8 @@ MAX_LINES = 400  # the page's length limit (a reference, not a log)
 
 # The paper's claims and setting (arXiv 2505.15548).
 PAPER_LR = 6e-4
-PAPER_TOKENS_PER_STEP = 256 * 2048
+PAPER_SEQ_LEN = 2048
+PAPER_TOKENS_PER_STEP = 256 * PAPER_SEQ_LEN
 PAPER_WARMUP = 2000
 PAPER_WINDOW = 51  # the author's code passes window_size=(50, 0): the query and 50 keys before it
 LS_BOUND = 50  # LS keeps max |logit| below 50
@@ -311,6 +312,8 @@ def read_sweep(path: str, name: str) -> Sweep:
             if line.strip():
                 p = json.loads(line)
                 points[(p["variant"], float(p["lr"]))] = p  # a rerun point: the later line
+    if not points:
+        raise ValueError(f"results: expected points in {path}/points.jsonl, got none")
     return Sweep(name, settings, points)
 
 
@@ -742,10 +745,10 @@ def claim_zloss(data: Data) -> Claim:
     bracket = None
     if hi is not None:
         bracket = (ls.gpu_hours(lo) / z_hours, ls.gpu_hours(hi) / z_hours)
-        parts.append(f"LS's first held-out point at or below it is at step {hi:,}"
-                     + (f" (the one before, step {lo:,}, is above)" if lo else
-                        " (its first held-out point)")
-                     + f": {f_frac(bracket[0])} to {f_frac(bracket[1])} of z-loss's GPU-hours")
+        parts.append(f"LS's held-out loss is above it at step {lo:,} and at or below it at step "
+                     f"{hi:,}: {f_frac(bracket[0])} to {f_frac(bracket[1])} of z-loss's GPU-hours"
+                     if lo else f"LS's first held-out point, at step {hi:,}, is at or below it: "
+                     f"at most {f_frac(bracket[1])} of z-loss's GPU-hours")
     zc = zl.ce_mean
     zcs = int(np.argmin(zc)) + 1
     ls_s = first_step(ls.ce_mean, lambda x: x <= zc[zcs - 1])
@@ -894,7 +897,8 @@ def section_caveats(data: Data) -> list[str]:
                         f"{d['validation_percent']}% of the files held out (size not recorded)",
                         []).append(r.dir)
     raw = [r.dir for r in data.batch + data.sweeps if "duplicate_files" not in r.corpus]
-    lines.append("- **Corpora** (bytes of the machine's Python sources, not PG-19): " + "; ".join(
+    lines.append("- **Corpora** (bytes of the machine's own files, `experiments/byte_corpus.py`; "
+                 "not PG-19): " + "; ".join(
         f"{', '.join(names)}: {text}" for text, names in corp.items()) + "." + (
         "" if not raw else f" {', '.join(raw)}: built before duplicates were dropped, so a file "
         "installed twice can be both trained on and held out, and the held-out loss can be "
@@ -1029,7 +1033,8 @@ def section_batch(data: Data, root: str) -> list[str]:
             d = v.divergence
             gh = v.gpu_hours()
             lines.append(
-                f"| {v.name} | {v.steps:,} ({s.get('state')}) | {s.get('epochs', 'n/a')} | "
+                f"| {v.name} | {v.steps:,} ({s.get('state')}) | "
+                f"{'n/a' if s.get('epochs') is None else format(s['epochs'], '.2f')} | "
                 f"{f_lr(s['lr_at_end']) if s.get('lr_at_end') else 'n/a'} | "
                 f"{v.ce_mean[-1]:.4f} | "
                 f"{'n/a' if ho is None else f'{ho[1]:.4f} ({ho[0]:,})'} | "
@@ -1038,7 +1043,8 @@ def section_batch(data: Data, root: str) -> list[str]:
                 f"{n} ({ratio:.2f}x) | {d['end_ratio']:.2f} ({held_text(d)}) | "
                 f"{s.get('tokens_per_sec', 0) / 1e6:.1f}M | {'n/a' if gh is None else f'{gh:.3f}'} |")
         lines += [""] + _plot(root, r, "paper_batch.png")
-    marks = " | ".join(f"> {f_logit(x)}" for x in LOGIT_MARKS)
+    marks = " | ".join(f"> {x:,.0f}" if x < 1e3 else f"> 10^{round(math.log10(x))}"
+                       for x in LOGIT_MARKS)
     lines += ["### Logit growth: first step with max \\|logit\\| above", "",
               f"| variant (run) | {marks} |", "|---|" + "---|" * len(LOGIT_MARKS)]
     for r in data.batch:
@@ -1173,28 +1179,34 @@ def section_short(data: Data, root: str) -> list[str]:
 
 
 def section_differs(data: Data) -> list[str]:
-    t_steps = sorted({r.config["data"]["seq_len"] * r.config["train"]["batch_size"] for r in data.batch}
-                     | {s.settings["seq_len"] * s.settings["batch_size"] for s in data.sweeps}
-                     | {r.config["data"]["seq_len"] * r.config["train"]["batch_size"] for r in data.short})
-    windows = sorted({r.config["model"]["window"] for r in data.batch}
-                     | {s.settings["configs"]["ls"]["model"]["window"] for s in data.sweeps}
-                     | {r.config["model"]["window"] for r in data.short})
-    seqs = sorted({r.config["data"]["seq_len"] for r in data.batch}
-                  | {s.settings["seq_len"] for s in data.sweeps}
-                  | {r.config["data"]["seq_len"] for r in data.short})
+    def cfgs():
+        yield from ((r.config, "batch") for r in data.batch)
+        yield from ((s.settings["configs"]["ls"], "sweep") for s in data.sweeps)
+        yield from ((r.config, "short") for r in data.short)
+
+    def listed(values) -> str:
+        return ", ".join(f"{x:,}" if isinstance(x, int) else str(x) for x in sorted(set(values)))
+
+    corpora = [r.corpus.get("source", "?") for r in data.batch + data.sweeps] + [
+        r.config["data"]["source"] for r in data.short]
+    at_batch = sorted({(c["train"]["lr"], c["train"]["warmup_steps"]) for c, k in cfgs()
+                       if k == "batch"})
     longest = max([v.steps for r in data.batch for v in r.variants.values()], default=0)
     return [
         "## What differs from the paper", "",
         "| | paper | here |", "|---|---|---|",
-        "| data | PG-19, SentencePiece 10K | bytes of the machine's Python sources (vocabulary 256) |",
-        f"| tokens per step | {PAPER_TOKENS_PER_STEP:,} | " + ", ".join(f"{x:,}" for x in t_steps) + " |",
-        f"| sequence length | 2,048 | {', '.join(f'{x:,}' for x in seqs)} |",
+        "| data | PG-19, SentencePiece 10K | bytes (vocabulary 256) of the machine's files: "
+        f"{', '.join(f'`{s}`' for s in sorted(set(corpora)))} |",
+        f"| tokens per step | {PAPER_TOKENS_PER_STEP:,} | "
+        f"{listed(c['train']['batch_size'] * c['data']['seq_len'] for c, _ in cfgs())} |",
+        f"| sequence length | {PAPER_SEQ_LEN:,} | {listed(c['data']['seq_len'] for c, _ in cfgs())} |",
         f"| steps | 50k+ (divergence at {DIVERGE_FROM // 1000}-{DIVERGE_TO // 1000}k) | at most "
         f"{longest:,} at the paper's batch |",
-        f"| peak lr, warmup | {f_lr(PAPER_LR)}, {PAPER_WARMUP:,} | {f_lr(PAPER_LR)}, {PAPER_WARMUP:,} "
-        "at the paper's batch; swept or stressed elsewhere (above) |",
+        f"| peak lr, warmup | {f_lr(PAPER_LR)}, {PAPER_WARMUP:,} | "
+        + "; ".join(f"{f_lr(lr)}, {w:,}" for lr, w in at_batch) + " at the paper's batch; the "
+        "sweeps and short runs above set their own |",
         f"| local window p (keys, the query's own included) | {PAPER_WINDOW} | "
-        f"{', '.join(map(str, windows))} |",
+        f"{listed(c['model']['window'] for c, _ in cfgs())} |",
         "| seeds | not stated | see Caveats |",
         "",
     ]
@@ -1224,7 +1236,7 @@ def section_summary(data: Data, claims: list[Claim]) -> list[str]:
     out.append("Each comparison rests on one seed per run" + (
         ", with no seed spread measured" if s is None else
         f", against a seed spread δ = {s['delta']:.4f} measured on the sweep") +
-        ", on Python sources seen for several epochs rather than PG-19.")
+        ", on byte-level text of the machine's source files rather than PG-19.")
     return ["## Summary", "", " ".join(out), ""]
 
 

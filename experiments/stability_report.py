@@ -268,10 +268,10 @@ class Sweep:
         return self.settings.get("seed")
 
     def loss(self, v: str, lr: float) -> float | None:
-        p = self.points.get((v, lr))
-        if p is None or p["diverged"] or p.get("final_eval_loss") is None:
-            return None
-        return float(p["final_eval_loss"])
+        """The point's final held-out loss; None when it has none (not run, or stopped by a
+        non-finite loss)."""
+        x = self.points.get((v, lr), {}).get("final_eval_loss")
+        return None if x is None or not math.isfinite(x) else float(x)
 
     def initial_loss(self, v: str) -> float:
         """The loss at initialisation: step 1's training loss, before any update (every lr of
@@ -720,7 +720,7 @@ def claim_qknorm(data: Data) -> Claim:
 
 def zloss_pair(data: Data) -> tuple[Variant, Variant] | None:
     return best_pair([(a, b) for a, b in pairs(data, "mhsa_zloss")
-                      if a.run.device.get("kind") == b.run.device.get("kind")
+                      if b.evals and a.run.device.get("kind") == b.run.device.get("kind")
                       and a.gpu_hours() is not None and b.gpu_hours() is not None],
                      by_held_out=False)
 
@@ -849,9 +849,10 @@ def section_rules(data: Data) -> list[str]:
         "kind of card.",
         "- **LR sensitivity S** (Wortsman et al. 2023): over the K peak lrs η_k of a sweep, "
         "S = (1/K) Σ_k min(L(η_k), L0) − min_k L(η_k), with L the final held-out loss (a "
-        "diverged point counts as L0) and L0 the loss at initialisation (step 1's training "
-        "loss). Lower S: the lrs cost less against the best one. A difference in S counts when "
-        "it exceeds 4δ (a seed change of up to δ per point moves each S by up to 2δ).",
+        "point without a finite one counts as L0) and L0 the loss at initialisation (step 1's "
+        "training loss). Lower S: the lrs cost less against the best one. A difference in S "
+        "counts when it exceeds 4δ (a seed change of up to δ per point moves each S by up to "
+        "2δ).",
         "",
     ]
 
@@ -945,7 +946,8 @@ def _sweep_command(s: Sweep) -> str:
            f"{','.join(f'{lr:g}' for lr in s.lrs)} --variants {','.join(s.variants)} "
            f"--corpus {s.settings['corpus']['source']} --seed {s.seed}")
     cap = s.settings["corpus"].get("max_mb")
-    return cmd + (f"` (corpus capped at {cap} MB: the preset's cap when it ran)" if cap else "`")
+    return cmd + (f"`, with the corpus capped at {cap} MB (the preset's `max_corpus_mb`)"
+                   if cap else "`")
 
 
 def _short_command(r: ShortRun) -> str:
@@ -1110,7 +1112,8 @@ def section_sweeps(data: Data, root: str) -> list[str]:
             for lr in s.lrs:
                 p = s.points.get((v, lr))
                 x = s.loss(v, lr)
-                txt = ("not run" if p is None else "diverged" if x is None else f"{x:.4f}")
+                txt = ("not run" if p is None else "diverged" if x is None else
+                       f"{x:.4f}" + (" (diverged)" if p["diverged"] else ""))
                 cells.append(f"**{txt}**" if lr == best_lr else txt)
             lines.append(f"| {v} | " + " | ".join(cells) + f" | {f_lr(best_lr) if best_lr else 'n/a'} | "
                          f"{'n/a' if S is None else f'{S:.3f}'} |")

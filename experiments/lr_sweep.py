@@ -40,11 +40,9 @@ import numpy as np
 
 from experiments.byte_corpus import SOURCES, WindowSampler, build_corpus, summary_line
 from experiments.runner import VARIANTS, Program, data_mesh, run_steps, variant_config
-from experiments.stability_report import count_spikes
+from experiments.rules import BLOWUP_FACTOR, TAIL_FRACTION, blew_up, count_spikes
 
 MARGIN_NATS = 0.05  # an lr is "within the margin" when its loss <= best loss + this
-BLOWUP_FACTOR = 1.5
-TAIL_FRACTION = 0.05
 
 
 def log_spaced(lo: float, hi: float, n: int) -> list[float]:
@@ -161,17 +159,7 @@ def append_point(out: str, point: dict) -> None:
         os.close(fd)
 
 
-# -- judging a run ----------------------------------------------------------------------------
-
-def blew_up(losses: list[float], factor: float = BLOWUP_FACTOR) -> bool:
-    """Median of the last 5% of losses > factor x the best 11-step running median."""
-    finite = [x for x in losses if math.isfinite(x)]
-    if len(finite) < len(losses) or not finite:
-        return True
-    tail = losses[-max(1, int(len(losses) * TAIL_FRACTION)):]
-    best = min(float(np.median(losses[max(0, i - 10):i + 1])) for i in range(len(losses)))
-    return float(np.median(tail)) > factor * best
-
+# -- judging a run (the rules: experiments.rules) ---------------------------------------------
 
 def spread_order(n: int) -> list[int]:
     """Indices 0..n-1 ordered so that every prefix spans the range: ends, middle, then halves."""

@@ -33,9 +33,8 @@ Outputs in OUT: ``results.json`` (settings, corpus, per-variant summary, per-ste
 cross-entropy and max |logit|, the held-out loss of every round, the [layer][head] max |logit|
 table every 10 steps), ``results.md`` and ``paper_batch.png``. A variant already in
 OUT/results.json (same settings) is not rerun, unless it is marked "running".
-Spikes and divergence follow docs/stability.md (``experiments.lr_sweep.blew_up``,
-``count_spikes``). ``experiments.paper_claims`` turns results.json files into the verdict on
-the paper's claims.
+Spikes and divergence follow ``experiments.rules``; ``experiments.stability_report`` writes
+docs/stability.md, the verdict on the paper's claims, from the results.json files there.
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ import time
 import numpy as np
 
 from experiments.byte_corpus import SOURCES, WindowSampler, build_corpus, summary_line
-from experiments.lr_sweep import TAIL_FRACTION, blew_up
-from experiments.stability_report import count_spikes
+from experiments.rules import TAIL_FRACTION, blew_up, count_spikes
 from experiments.runner import (VARIANTS, Program, RunRecord, data_mesh, run_steps,
                                 sharded_attention_available, variant_config)
 

@@ -41,7 +41,7 @@ def without_the_gpu_image_packages():
     script = BLOCK + textwrap.dedent("""
         import ls_jax.step, ls_jax.compile_only
         import experiments.runner, experiments.lr_sweep, experiments.paper_batch
-        import experiments.byte_corpus, experiments.paper_claims
+        import experiments.byte_corpus, experiments.rules, experiments.stability_report
         print("imported", flush=True)
         try:
             import ls_jax.train

@@ -35,6 +35,9 @@ RESULTS = os.path.join(REPO, "docs", "stability")
 PAGE = os.path.join(REPO, "docs", "stability.md")
 COMMAND = "python -m experiments.stability_report --write"
 MAX_LINES = 400  # the page's length limit (a reference, not a log)
+README = os.path.join(REPO, "README.md")
+# the README's verdict paragraph, written between these two lines
+README_MARKERS = ("<!-- stability-verdict -->", "<!-- /stability-verdict -->")
 
 # The paper's claims and setting (arXiv 2505.15548).
 PAPER_LR = 6e-4
@@ -239,6 +242,7 @@ class Sweep:
     dir: str
     settings: dict
     points: dict  # (variant, lr) -> point
+    device: dict = dataclasses.field(default_factory=dict)  # device.json: {"kind", "count"}
 
     kind = "lr sweep"
 
@@ -314,13 +318,28 @@ def read_sweep(path: str, name: str) -> Sweep:
                 points[(p["variant"], float(p["lr"]))] = p  # a rerun point: the later line
     if not points:
         raise ValueError(f"results: expected points in {path}/points.jsonl, got none")
-    return Sweep(name, settings, points)
+    return Sweep(name, settings, points, read_device(path))
+
+
+def read_device(path: str) -> dict:
+    """The card of a run whose results do not name it: ``device.json`` ({"kind": the JAX
+    device kind, "count": devices per process}) beside them, else {}."""
+    p = os.path.join(path, "device.json")
+    if not os.path.exists(p):
+        return {}
+    with open(p) as f:
+        return json.load(f)
+
+
+def device_text(dev: dict) -> str:
+    return f"{dev.get('count', '?')} x {dev['kind']}" if dev.get("kind") else "not recorded"
 
 
 @dataclasses.dataclass
 class ShortRun:
     dir: str
     variants: dict  # name -> {"config", "status", "train": records, "evals": records}
+    device: dict = dataclasses.field(default_factory=dict)  # device.json: {"kind", "count"}
 
     kind = "short run"
 
@@ -334,7 +353,7 @@ class ShortRun:
 
 
 def read_short(path: str, name: str, folders: list[str]) -> ShortRun:
-    run = ShortRun(name, {})
+    run = ShortRun(name, {}, read_device(path))
     for v in [v for v in VARIANTS if v in folders] + sorted(set(folders) - set(VARIANTS)):
         d = os.path.join(path, v)
         with open(os.path.join(d, "config.json")) as f:
@@ -429,16 +448,21 @@ class Data:
     def seed_spread(self) -> dict | None:
         """delta: the largest |final loss, one seed - the other| over the points two sweeps
         that differ only in their seed share (None: no such points)."""
-        diffs = []
+        diffs, excluded = [], []
         for a, b in self.seed_pairs():
             for key in sorted(set(a.points) & set(b.points)):
                 x, y = a.loss(*key), b.loss(*key)
-                if x is not None and y is not None:
+                if x is None or y is None:
+                    continue
+                # a divergence is counted by the divergence rule, not as seed noise
+                if a.points[key].get("diverged") or b.points[key].get("diverged"):
+                    excluded.append((key, x, y, abs(x - y), a, b))
+                else:
                     diffs.append((key, x, y, abs(x - y), a, b))
         if not diffs:
             return None
         return {"delta": max(d[3] for d in diffs), "mean": float(np.mean([d[3] for d in diffs])),
-                "n": len(diffs), "diffs": diffs}
+                "n": len(diffs), "diffs": diffs, "excluded": excluded}
 
     @property
     def delta(self) -> float:
@@ -643,9 +667,10 @@ def claim_divergence(data: Data) -> Claim:
     v = mhsa[0]
     d = v.divergence
     if d["end_ratio"] > rules.BLOWUP_FACTOR or d["non_finite_at"] is not None:
-        at = d["held"][-1][0]
+        first, at = d["held"][0][0], d["held"][-1][0]
         label = "reproduced" if at >= DIVERGE_FROM else "diverged earlier than the paper's range"
-        detail = f"MHSA diverged at step {at:,}"
+        detail = (f"the rule first held at step {first:,} and holds from step {at:,} to the end "
+                  f"({v.steps:,})")
     elif v.steps < DIVERGE_FROM:
         label, detail = "not tested", f"MHSA ran {v.steps:,} steps"
     else:
@@ -797,8 +822,13 @@ def claim_sensitivity(data: Data) -> Claim:
             groups[compare(sens[v] - sens["ls"], margin)].append(v)
     said = "; ".join(f"LS's S {k} than {', '.join(vs)}" if k != "level" else
                      f"level with {', '.join(vs)}" for k, vs in groups.items() if vs)
-    yes = groups["lower"] and not groups["level"] and not groups["higher"]
-    return Claim(claim, f"{evidence}; 4δ = {margin:.4f}.", "yes" if yes else "no", said, rule)
+    if groups["higher"]:
+        label = "no"
+    elif groups["level"]:
+        label = "not shown within the margin"
+    else:
+        label = "yes"
+    return Claim(claim, f"{evidence}; 4δ = {margin:.4f}.", label, said, rule)
 
 
 CLAIMS = (claim_logits, claim_spikes, claim_divergence, claim_loss, claim_qknorm, claim_zloss,
@@ -823,8 +853,9 @@ def section_rules(data: Data) -> list[str]:
     s = data.seed_spread()
     delta = ("not measured: no two sweeps differ only in their seed, so every difference "
              "counts" if s is None else
-             f"{s['delta']:.4f}, the largest over the {s['n']} points two sweeps share "
-             f"(mean {s['mean']:.4f}); it is measured at the sweep's scale and stands in for "
+             f"{s['delta']:.4f}, the largest over the {s['n']} points two sweeps share in "
+             f"which neither seed diverged (mean {s['mean']:.4f}; a point that diverged under "
+             f"one seed only is counted by the divergence rule); it is measured at the sweep's scale and stands in for "
              f"the spread of every run")
     return [
         "## Rules", "",
@@ -970,19 +1001,19 @@ def section_runs(data: Data) -> list[str]:
             continue
         if isinstance(r, BatchRun):
             cfg, dev = r.config, r.device
-            device = f"{dev.get('count', '?')} x {dev.get('kind', '?')}"
+            device = device_text(dev)
             steps = ", ".join(f"{v.name} {v.steps:,}" for v in r.variants.values())
             corpus, seed = _corpus_text(r.corpus), r.settings.get("seed")
             lrs = f_lr(cfg["train"]["lr"])
         elif isinstance(r, Sweep):
-            cfg, device = r.settings["configs"]["ls"], "not recorded"
+            cfg, device = r.settings["configs"]["ls"], device_text(r.device)
             steps = f"{r.steps:,} a point"
             corpus, seed = _corpus_text(r.corpus), r.seed
             lrs = f"{len(r.lrs)} lrs, {f_lr(r.lrs[0])} to {f_lr(r.lrs[-1])}"
             cfg = copy.deepcopy(cfg)
             cfg["train"]["min_lr"] = None
         else:
-            cfg, device = r.config, "not recorded"
+            cfg, device = r.config, device_text(r.device)
             steps = f"{max(len(d['train']) and d['train'][-1]['step'] for d in r.variants.values()):,}"
             corpus = f"`{cfg['data']['source']}` (size not recorded)"
             seed = cfg["train"]["seed"]
@@ -1135,9 +1166,13 @@ def section_sweeps(data: Data, root: str) -> list[str]:
         lines += ["### Seed to seed", "",
                   "| sweeps | variant | lr | loss: one seed / the other | \\|Δ\\| |",
                   "|---|---|---|---|---|"]
-        for (v, lr), x, y, d, a, b in spread["diffs"]:
-            lines.append(f"| {a.label} / {b.label} | {v} | {f_lr(lr)} | {x:.4f} / {y:.4f} | {d:.4f} |")
-        lines += ["", f"δ = {spread['delta']:.4f} (the largest \\|Δ\\|; mean {spread['mean']:.4f}).", ""]
+        rows = [(d, "") for d in spread["diffs"]] + [(d, " (a seed diverged; not in δ)")
+                                                      for d in spread["excluded"]]
+        for ((v, lr), x, y, d, a, b), note in sorted(rows, key=lambda r: (r[0][0][0], r[0][0][1])):
+            lines.append(f"| {a.label} / {b.label} | {v} | {f_lr(lr)} | {x:.4f} / {y:.4f} | "
+                         f"{d:.4f}{note} |")
+        lines += ["", f"δ = {spread['delta']:.4f} (the largest \\|Δ\\| of the pairs in which "
+                  f"neither seed diverged; mean {spread['mean']:.4f}).", ""]
     return lines
 
 
@@ -1243,6 +1278,22 @@ def section_summary(data: Data, claims: list[Claim]) -> list[str]:
     return ["## Summary", "", " ".join(out), ""]
 
 
+def readme_block(root: str = RESULTS) -> str:
+    """The README's verdict paragraph: the page's summary and a link to the page."""
+    data = Data(load(root))
+    summary = section_summary(data, [claim(data) for claim in CLAIMS])[2].replace("\\|", "|")
+    return (f"**Stability.** {summary} Claim by claim, with the rules, the runs and the caveats: "
+            f"[docs/stability.md](docs/stability.md).")
+
+
+def with_readme_block(readme: str, block: str) -> str:
+    start, end = README_MARKERS
+    i, j = readme.find(start), readme.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"readme: expected the lines {start} and {end} around the verdict")
+    return f"{readme[:i + len(start)]}\n{block}\n{readme[j:]}"
+
+
 def render(root: str = RESULTS) -> str:
     data = Data(load(root))
     claims = [claim(data) for claim in CLAIMS]
@@ -1268,12 +1319,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default=RESULTS, help="the folder of result folders")
     parser.add_argument("--page", default=PAGE, help="the page --write and --check read")
+    parser.add_argument("--readme", default=README,
+                        help="the README whose verdict paragraph --write and --check read")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="write the page")
     mode.add_argument("--check", action="store_true", help="exit 1 when the page differs")
     args = parser.parse_args(argv)
     try:
         text = render(args.results)
+        readme_old = open(args.readme).read() if (args.write or args.check) else ""
+        readme = with_readme_block(readme_old, readme_block(args.results)) if readme_old else ""
     except (ValueError, KeyError, FileNotFoundError, json.JSONDecodeError) as e:
         parser.error(f"results: {e}" if not str(e).startswith("results:") else str(e))
     n = text.count("\n")
@@ -1281,14 +1336,17 @@ def main(argv=None) -> int:
         parser.error(f"page: expected at most {MAX_LINES} lines, got {n}")
     if args.check:
         old = open(args.page).read() if os.path.exists(args.page) else None
-        if old != text:
-            print(f"{args.page} differs from what {args.results} gives; run `{COMMAND}`",
-                  file=sys.stderr)
-            return 1
+        for path, want, have in ((args.page, text, old), (args.readme, readme, readme_old)):
+            if have != want:
+                print(f"{path} differs from what {args.results} gives; run `{COMMAND}`",
+                      file=sys.stderr)
+                return 1
         return 0
     if args.write:
         with open(args.page, "w") as f:
             f.write(text)
+        with open(args.readme, "w") as f:
+            f.write(readme)
         return 0
     sys.stdout.write(text)
     return 0

@@ -21,6 +21,10 @@ def test_committed_page_is_what_the_results_give():
         page = f.read()
     assert page == report.render(report.RESULTS), (
         f"docs/stability.md is stale: run `{report.COMMAND}`")
+    with open(report.README) as f:
+        readme = f.read()
+    assert report.with_readme_block(readme, report.readme_block()) == readme, (
+        f"README.md's verdict paragraph is stale: run `{report.COMMAND}`")
     assert page.count("\n") <= report.MAX_LINES
     for d in PLANNED:  # the planned runs not in docs/stability/ are listed as not run
         if not os.path.isdir(os.path.join(report.RESULTS, d)):
@@ -144,7 +148,7 @@ def test_planned_runs_slot_into_the_page(planned_root):
     claims = {c.claim.split(" (")[0]: c for c in
               (claim(report.Data(report.load(planned_root))) for claim in report.CLAIMS)}
     div = claims["MHSA diverges after 20-30k steps"]
-    assert div.label == "reproduced" and "MHSA diverged at step 20," in div.detail
+    assert div.label == "reproduced" and "holds from step 20," in div.detail
     qk = claims["LS reaches about 2/5 of QK-norm's perplexity"]
     assert qk.label == "direction reproduced" and "held-out loss at step 8,000" in qk.detail
     assert "δ = 0.0100" in qk.detail  # the second seed's spread is the margin
@@ -159,10 +163,13 @@ def test_planned_runs_slot_into_the_page(planned_root):
 
 
 def test_the_cli_writes_checks_and_refuses_a_folder_it_cannot_read(planned_root, tmp_path, capsys):
-    page = tmp_path / "stability.md"
-    args = ["--results", planned_root, "--page", str(page)]
+    page, readme = tmp_path / "stability.md", tmp_path / "README.md"
+    readme.write_text("# x\n\n" + "\n".join(report.README_MARKERS) + "\n\nmore\n")
+    args = ["--results", planned_root, "--page", str(page), "--readme", str(readme)]
     assert report.main([*args, "--write"]) == 0
     assert report.main([*args, "--check"]) == 0
+    assert report.readme_block(planned_root) in readme.read_text()
+    assert readme.read_text().endswith("\n\nmore\n")
     page.write_text(page.read_text().replace("reproduced", "confirmed", 1))
     assert report.main([*args, "--check"]) == 1
     assert "differs from what" in capsys.readouterr().err
@@ -220,3 +227,19 @@ def test_logit_format(x, text):
                                       (0.03, "3e-2")])
 def test_lr_format(lr, text):
     assert report.f_lr(lr) == text
+
+
+def test_seed_spread_leaves_out_points_that_diverged_under_one_seed():
+    settings = {"steps": 10, "seed": 0, "configs": {"ls": {"model": {"vocab_size": 256}}}}
+
+    def sweep(seed, losses):
+        pts = {("ls", lr): {"variant": "ls", "lr": lr, "diverged": d, "final_eval_loss": x,
+                            "loss": [5.5, 5.0]} for lr, (x, d) in losses.items()}
+        return report.Sweep(f"s{seed}", {**settings, "seed": seed}, pts)
+
+    a = sweep(0, {1e-3: (2.0, False), 1e-2: (4.0, True)})
+    b = sweep(1, {1e-3: (2.1, False), 1e-2: (2.5, False)})
+    data = report.Data([a, b])
+    spread = data.seed_spread()
+    assert spread["delta"] == pytest.approx(0.1) and spread["n"] == 1
+    assert [d[0] for d in spread["excluded"]] == [("ls", 1e-2)]

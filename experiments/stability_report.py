@@ -242,7 +242,7 @@ class Sweep:
     dir: str
     settings: dict
     points: dict  # (variant, lr) -> point
-    device: dict = dataclasses.field(default_factory=dict)  # device.json: {"kind", "count"}
+    device: dict = dataclasses.field(default_factory=dict)  # run.json's "device"
 
     kind = "lr sweep"
 
@@ -318,13 +318,14 @@ def read_sweep(path: str, name: str) -> Sweep:
                 points[(p["variant"], float(p["lr"]))] = p  # a rerun point: the later line
     if not points:
         raise ValueError(f"results: expected points in {path}/points.jsonl, got none")
-    return Sweep(name, settings, points, read_device(path))
+    return Sweep(name, settings, points, read_meta(path).get("device", {}))
 
 
-def read_device(path: str) -> dict:
-    """The card of a run whose results do not name it: ``device.json`` ({"kind": the JAX
-    device kind, "count": devices per process}) beside them, else {}."""
-    p = os.path.join(path, "device.json")
+def read_meta(path: str) -> dict:
+    """What a run's result files do not record: ``run.json`` beside them, with "commit" (the
+    code the run ran) and, where the results do not name the card, "device" ({"kind": the JAX
+    device kind, "count": devices per process}); {} when absent."""
+    p = os.path.join(path, "run.json")
     if not os.path.exists(p):
         return {}
     with open(p) as f:
@@ -339,7 +340,7 @@ def device_text(dev: dict) -> str:
 class ShortRun:
     dir: str
     variants: dict  # name -> {"config", "status", "train": records, "evals": records}
-    device: dict = dataclasses.field(default_factory=dict)  # device.json: {"kind", "count"}
+    device: dict = dataclasses.field(default_factory=dict)  # run.json's "device"
 
     kind = "short run"
 
@@ -353,7 +354,7 @@ class ShortRun:
 
 
 def read_short(path: str, name: str, folders: list[str]) -> ShortRun:
-    run = ShortRun(name, {}, read_device(path))
+    run = ShortRun(name, {}, read_meta(path).get("device", {}))
     for v in [v for v in VARIANTS if v in folders] + sorted(set(folders) - set(VARIANTS)):
         d = os.path.join(path, v)
         with open(os.path.join(d, "config.json")) as f:
@@ -371,6 +372,12 @@ def read_short(path: str, name: str, folders: list[str]) -> ShortRun:
 
 
 def read_run(root: str, name: str):
+    run = _read_run(root, name)
+    run.commit = read_meta(os.path.join(root, name)).get("commit")
+    return run
+
+
+def _read_run(root: str, name: str):
     path = os.path.join(root, name)
     entries = sorted(os.listdir(path))
     if "results.json" in entries:
@@ -993,11 +1000,11 @@ def _short_command(r: ShortRun) -> str:
 
 def section_runs(data: Data) -> list[str]:
     lines = ["## The runs", "",
-             "| run | kind | device | variants | batch x T | steps | peak lr (warmup; cosine to, at step) | corpus | seed |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| run | kind | device | code at | variants | batch x T | steps | peak lr (warmup; cosine to, at step) | corpus | seed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data.runs:
         if isinstance(r, NotRun):
-            lines.append(f"| `{r.dir}` | not run | | {r.what} | | | | | |")
+            lines.append(f"| `{r.dir}` | not run | | | {r.what} | | | | | |")
             continue
         if isinstance(r, BatchRun):
             cfg, dev = r.config, r.device
@@ -1022,7 +1029,7 @@ def section_runs(data: Data) -> list[str]:
         sched = (f"{t['warmup_steps']:,}; peak/10 at the last step" if t.get("min_lr") is None
                  else f"{t['warmup_steps']:,}; {f_lr(t['min_lr'])} at {t['num_steps']:,}")
         lines.append(f"| [`{r.dir}`](stability/{r.dir}/) | {r.kind} | {device} | "
-                     f"{', '.join(r.variants)} | {t['batch_size']} x {cfg['data']['seq_len']} | "
+                     f"{r.commit or 'not recorded'} | {', '.join(r.variants)} | {t['batch_size']} x {cfg['data']['seq_len']} | "
                      f"{steps} | {lrs} ({sched}) | {corpus} | {seed} |")
     return lines + [""]
 

@@ -19,9 +19,6 @@ PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT)
                                for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
                                if not p.endswith("stability.md"))
 MAX_LINES = {"README.md": 250}  # every other page: 300
-# pages linked from the README and the index that arrive with the op/module work; remove an
-# entry once its page exists
-LINKED_BEFORE_WRITTEN = {"docs/library.md"}
 # Python examples that need what a CPU test has not got: (page, a line of the example, why)
 NOT_RUN = [
     ("docs/data.md", "mngr.save(step", "a fragment inside an orbax checkpoint manager"),
@@ -94,17 +91,10 @@ def test_links_resolve(page):
         if re.match(r"[a-z]+:", target):
             continue  # a URL
         path = os.path.normpath(os.path.join(os.path.dirname(page), target)) if target else page
-        if path in LINKED_BEFORE_WRITTEN:
-            continue
         assert os.path.exists(os.path.join(ROOT, path)), f"{page}: no {path}"
         if anchor:
             headings = re.findall(r"^#+ (.*)$", read(path), re.M)
             assert anchor in {_slug(h) for h in headings}, f"{page}: no #{anchor} in {path}"
-
-
-def test_pages_linked_before_written_are_still_missing():
-    for path in LINKED_BEFORE_WRITTEN:
-        assert not os.path.exists(os.path.join(ROOT, path)), f"{path} exists: drop it from the list"
 
 
 @pytest.mark.parametrize("page,index", [

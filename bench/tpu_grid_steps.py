@@ -9,7 +9,7 @@ computed from the grid specs and scalar-prefetch tables (no kernel is run):
 * key-block fetches: DMAs of k (the same for v): a block is fetched only when its index
   changes from one step to the next.
 
-Ours: ``kernels.pallas_tpu.plan.step_counts``; splash: ``kernels.pallas_tpu.splash_cost``
+Ours: ``kernels.pallas_tpu.plan.step_counts``; splash: ``bench/splash_cost.py``
 (from splash's own mask preprocessing). tests/test_pallas_tpu.py checks both against
 interpreted runs of both kernels.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 
 from ls_jax.kernels.pallas_tpu.plan import step_counts
-from ls_jax.kernels.pallas_tpu.splash_cost import splash_step_counts
+from splash_cost import splash_step_counts  # bench/splash_cost.py, beside this script
 
 
 def comparison_table(windows, num_kv_heads: int, seq_len: int, blocks) -> str:

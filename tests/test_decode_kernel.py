@@ -1,6 +1,6 @@
 """kernels/decode.py: cached attention (prefill chunks) and the decode step (write + attend)
 against explicit per-query loops on CPU, the Pallas GPU decode step in interpret mode, its
-lowering to Triton for an H100 (no GPU needed), and the backend choice."""
+lowering to Triton for a Hopper GPU (no GPU needed), and the backend choice."""
 
 import jax
 import jax.numpy as jnp
@@ -207,7 +207,7 @@ def test_decode_warps_bound_the_registers_per_thread(D):
                                          (64, 300)])  # three blocks of 128, two warps
 def test_pallas_decode_step_lowers_to_triton_for_an_h100(D, S_global):
     """The kernel's Triton lowering (jaxpr -> Triton IR, run by JAX in Python) for an abstract
-    H100, without a GPU: what interpret mode does not exercise."""
+    Hopper GPU, without a GPU: what interpret mode does not exercise."""
     from ls_jax.kernels.pallas_gpu.decode import pallas_gpu_decode_step
 
     q, k_new, v_new, q_pos, groups = step_case(S_global=S_global, D=D)

@@ -41,7 +41,7 @@ def test_platform_defaults():
     ((None,) * 4, {"head_dim": 256}, "pallas_gpu"),   # beyond cuDNN's range on every card
     ((None,) * 4, {"head_dim": 36}, "pallas_gpu"),    # not a multiple of 8
     # long LS mixes whose global heads dominate go to "split": cuDNN causal for the global
-    # heads, ours for the local ones (dispatch.SPLIT_*; estimated from run I, H100)
+    # heads, ours for the local ones (dispatch.SPLIT_*)
     ((None,) * 2 + (128,) * 14, {"seq_len": 65536, "head_dim": 128}, "split"),
     ((None,) * 2 + (512,) * 14, {"seq_len": 131072, "head_dim": 128}, "split"),
     ((None,) * 2 + (128,) * 14, {"seq_len": 32768, "head_dim": 128}, "split"),  # T edge
@@ -77,8 +77,8 @@ def test_cuda_table(platform, windows, changes, want):
 ])
 def test_hopper_keeps_ls_mixes_on_ours(windows, changes):
     """On a Hopper GPU our kernels run the global heads on the Mosaic GPU kernels, faster than
-    "split" in every measured case (run J): LS mixes stay on pallas_gpu; all global still
-    goes to cuDNN (our fwd+bwd 0.86-0.94x of it)."""
+    "split": LS mixes stay on pallas_gpu; all global still goes to cuDNN, whose forward and
+    backward are faster than ours there."""
     want = "cudnn" if all(w is None for w in windows) else "pallas_gpu"
     assert choose_implementation("cuda", window_sizes=windows, hopper=True,
                                  **{**CASE, **changes}) == want

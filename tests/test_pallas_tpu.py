@@ -5,7 +5,7 @@
 Checked against the pure-JAX reference twin (outputs, logsumexp, max |logit|, gradients), against
 JAX's splash attention on the same inputs, for data races on two simulated TensorCores, and for
 its structural cost (grid steps, DMAs) vs splash, with the counting functions
-(``kernels.pallas_tpu.plan.step_counts``, ``kernels.pallas_tpu.splash_cost``) checked against
+(``kernels.pallas_tpu.plan.step_counts``, ``bench/splash_cost.py``) checked against
 interpreted runs. Shapes are tiny: interpret mode runs
 every grid step through Python callbacks.
 """
@@ -13,7 +13,9 @@ every grid step through Python callbacks.
 import collections
 import contextlib
 import dataclasses
+import importlib.util
 import itertools
+import pathlib
 import zlib
 
 import jax
@@ -39,8 +41,20 @@ from ls_jax.kernels.pallas_tpu.plan import (
     row_worklist,
     step_counts,
 )
-from ls_jax.kernels.pallas_tpu.splash_cost import splash_mask, splash_step_counts
 from ls_jax.kernels.reference import allowed_mask
+
+
+def _bench_module(name: str):
+    """A module of bench/ (scripts, not a package: tests load them by path)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_splash_cost = _bench_module("splash_cost")
+splash_mask, splash_step_counts = _splash_cost.splash_mask, _splash_cost.splash_step_counts
 
 from jitted_reference import reference_attention_parts  # tests/, beside this file
 

@@ -2,8 +2,8 @@
 without a GPU or the interpreter: each consumer's walk is run eagerly (``jax.disable_jit``)
 with its waits and releases recorded, then replayed against a model of the producer (a block
 is loaded once every consumer has released the block its ring slot held). A protocol
-deadlock, which hangs a GPU silently (run Y's strip backward did, on a ring shorter than the
-forward's rule), fails here; so does a block waited or released twice or not at all, or a
+deadlock, which hangs a GPU silently (a strip backward on a ring shorter than the forward's
+rule does), fails here; so does a block waited or released twice or not at all, or a
 band block read after its release. The interpreter tests run the kernel on a few short
 sequences only; this covers windows 1-256 and strips of 1-16 blocks."""
 
@@ -114,9 +114,9 @@ def test_forward_ring_never_deadlocks(consumers):
 
 
 def test_a_short_ring_deadlocks():
-    """The check can fail: with six slots for p=256 and three consumers (what run Y's dQ strips
-    first had: shared memory held no more) each consumer holds the strip's first blocks until
-    its own block is done, and the third cannot get its last block (an H100 hung on it)."""
+    """The check can fail: with six slots for p=256 and three consumers (a dQ strip whose
+    shared memory holds no more) each consumer holds the strip's first blocks until its own
+    block is done, and the third cannot get its last block: the GPU would hang."""
     failure = check(256, 32, 3, 3, 6)
     assert failure is not None and "deadlock" in failure
     assert strip_stages(256, 3) > 6

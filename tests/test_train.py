@@ -337,8 +337,8 @@ def test_two_devices_match_one(tmp_path):
 
 def test_init_key_is_an_argument_not_a_traced_constant():
     """A seed turned into a key inside the jitted init is a constant, and XLA constant-folds the
-    random initialisation of every parameter at compile time (over 90 s for the 125M model on
-    an H100). The run's init takes the key as an argument, and gives the seed's parameters."""
+    random initialisation of every parameter at compile time (minutes for the 125M model). The
+    run's init takes the key as an argument, and gives the seed's parameters."""
     from flax import nnx
 
     from ls_jax.sharding import make_mesh

@@ -202,8 +202,3 @@ class Launches:
 
     def blocks(self) -> tuple[int, ...]:
         return tuple(b for launch in self.forward + self.backward for b in launch.blocks())
-
-
-def every_head(lowering: str, config, num_heads: int) -> Launch:
-    """One launch of ``lowering`` over all ``num_heads`` heads."""
-    return Launch(lowering, tuple(range(num_heads)), config)

@@ -50,8 +50,6 @@ def launch_registers(warpgroups: int) -> int:
 # shared-memory layout of every [rows, D] tile: 8x64 tiles, 128-byte swizzle (what wgmma and
 # TMA take for 16-bit data)
 TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-# the same 128-byte rows for float32 tiles (32 columns to a row)
-F32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
 def selected_heads(plan, heads: tuple[int, ...]):

@@ -470,6 +470,7 @@ class _Stopper:
         self._deferred = False  # a second signal arrived inside commit()
         self._exit_with, self._checkpoint_dir = exit_with, checkpoint_dir
         self._wakeup = None  # (read fd, write fd, the wakeup fd before ours)
+        self._exiting = False  # the watching thread is ending the process
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -485,8 +486,10 @@ class _Stopper:
         return self
 
     def _handle(self, signum, frame):
-        if self._wakeup is not None:
-            return  # the watching thread counts it
+        if self._wakeup is not None:  # the watching thread counts it; the stop is asked now
+            if self.signum is None:
+                self.signum = signum
+            return
         if self.signum is None:
             self.signum = signum
         elif self._committing:
@@ -506,6 +509,7 @@ class _Stopper:
         """The signal-watching thread of ``exit_with``."""
         stopping = (signal.SIGTERM, signal.SIGINT)
         seen, since = None, None  # the partial saves' (files, bytes), and since when
+        count = 0
         try:
             while True:
                 ready, _, _ = select.select([fd], [], [], 1.0)
@@ -515,9 +519,10 @@ class _Stopper:
                 for signum in data:
                     if signum not in stopping:
                         continue
+                    count += 1
                     if self.signum is None:
                         self.signum = signum
-                    else:
+                    if count >= 2:
                         self._exit(signum, self._exit_with[0], SECOND_SIGNAL_WAIT_S)
                 if self.signum is None or not self._committing:
                     seen, since = None, None
@@ -540,6 +545,7 @@ class _Stopper:
         except OSError:
             return 0, 0
         for name in names:
+            files += 1  # the directory itself, made before anything is written into it
             for parent, _, children in os.walk(os.path.join(root, name)):
                 for child in children:
                     with contextlib.suppress(OSError):
@@ -548,10 +554,12 @@ class _Stopper:
         return files, size
 
     def _exit(self, signum: int, line: Callable[[str], str], wait_s: float) -> None:
-        """Ends the process with ``line`` once no checkpoint is being written (for at most
-        ``wait_s``)."""
+        """Ends the process with ``line`` once no checkpoint is being written (in the main
+        thread or in the background: an unfinished save's directory), for at most
+        ``wait_s``."""
+        self._exiting = True  # the main thread starts no new save (``commit``)
         deadline = time.monotonic() + wait_s
-        while self._committing and time.monotonic() < deadline:
+        while (self._committing or self._partial_saves()[0]) and time.monotonic() < deadline:
             time.sleep(0.02)
         message = f"error: {line(signal.Signals(signum).name)}\n"
         with contextlib.suppress(Exception):
@@ -563,6 +571,8 @@ class _Stopper:
     def commit(self):
         """A block a second signal does not cut short (it acts at the block's end; with
         ``exit_with`` it waits at most ``SECOND_SIGNAL_WAIT_S``)."""
+        while self._exiting:  # the watching thread ends the process: start nothing new
+            time.sleep(1.0)
         self._committing += 1
         try:
             yield

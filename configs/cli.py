@@ -134,10 +134,12 @@ def train_main(argv: list[str] | None = None) -> int:
             return 1
     lib.maybe_initialize_distributed(args.distributed)
     workdir = args.workdir or f"runs/{cfg.name}"
-    lib.send_library_logs_to(lib.RunDir(workdir).library_log_path, echo=args.debug)
-    lib.use_compilation_cache()
     try:
-        result = lib.train(cfg, workdir)
+        lib.send_library_logs_to(lib.RunDir(workdir).library_log_path, echo=args.debug,
+                                 required=True)
+        lib.use_compilation_cache()
+        # a second signal ends the process from a thread of its own, with its one line
+        result = lib.train(cfg, workdir, exit_at_once=True)
     except lib.expected_errors as e:
         if args.debug:
             raise
@@ -242,10 +244,11 @@ def _progress_bar(total: int | None):
 
 
 def format_eval(r: dict) -> str:
+    from ls_jax.evaluate import format_perplexity
     lines = [
         f"checkpoint {r['workdir']} step {r['step']} ({r['config']}), split {r['split']}, "
         f"T={r['seq_len']}, {r['tokens']} tokens in {r['batches']} batches",
-        f"loss {r['loss']:.4f} nats/token  perplexity {r['perplexity']:.3f}  "
+        f"loss {r['loss']:.4f} nats/token  perplexity {format_perplexity(r['perplexity'])}  "
         f"bits/byte {r['bits_per_byte']:.4f}",
         f"max |attention logit| {r['max_abs_logit']:.3f}  max |lm-head logit| "
         f"{r['lm_head_max_abs_logit']:.3f}",

@@ -43,11 +43,15 @@ _log = logging.getLogger(__name__)
 
 class CheckpointError(RuntimeError):
     """A checkpoint directory that is missing, empty, unreadable or damaged, or a failed save.
-    ``reason``: what is wrong with the step, without naming it."""
+    ``reason``: what is wrong with the step, without naming it. ``kind``: "damaged" (what a
+    fallback to an older step answers), "pruned" (the step was deleted while it was read: a
+    training run in the directory keeps only its newest steps), "mismatch" (its arrays are not
+    the ones the config describes: another run's checkpoint), or None (anything else)."""
 
-    def __init__(self, message: str, reason: str | None = None):
+    def __init__(self, message: str, reason: str | None = None, kind: str | None = None):
         super().__init__(message)
         self.reason = reason or message
+        self.kind = kind
 
 
 def _leaf_checksum(x):
@@ -84,6 +88,13 @@ def _innermost(e: BaseException) -> BaseException:
     return e
 
 
+def _path_key(path) -> str:
+    """A pytree path as "a/0/b", whatever the key types (orbax's metadata tree spells an
+    integer key as a string)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in path)
+
+
 def _os_errno(e: BaseException) -> int | None:
     """The errno of an OSError, or of the OS error TensorStore names in its message."""
     e = _innermost(e)
@@ -94,12 +105,17 @@ def _os_errno(e: BaseException) -> int | None:
 
 
 def _root_cause(e: BaseException) -> str:
-    """The innermost cause of ``e`` as one short line ("OSError: [Errno 28] No space left on
-    device", also for TensorStore's wrapping of it)."""
+    """The innermost cause of ``e`` as one short line ("PermissionError: [Errno 13] Permission
+    denied: '<path>'"; "OSError: [Errno 28] No space left on device" for TensorStore's
+    wrapping of an OS error, which names no path)."""
+    inner = _innermost(e)
+    if isinstance(inner, OSError) and inner.errno is not None:
+        path = f": {inner.filename!r}" if inner.filename else ""
+        return f"{type(inner).__name__}: [Errno {inner.errno}] {os.strerror(inner.errno)}{path}"
     err = _os_errno(e)
     if err is not None:
         return f"OSError: [Errno {err}] {os.strerror(err)}"
-    e = _innermost(e)
+    e = inner
     text = " ".join(str(e).split())
     if len(text) > _CAUSE_CHARS:
         text = text[:_CAUSE_CHARS - 3] + "..."
@@ -161,10 +177,14 @@ class Checkpointer:
             raise CheckpointError(
                 f"checkpoint: expected a run directory holding '{CHECKPOINT_SUBDIR}/', but "
                 f"{self.directory} does not exist")
-        # keep-last-N is ours (_prune): orbax's deletes old steps even when the new save failed
+        # keep-last-N is ours (_prune): orbax's deletes old steps even when the new save failed.
+        # The step's directory is made before save() returns: a directory that cannot be made
+        # (no write permission, no inodes left) raises its OSError there, at once, instead of
+        # failing orbax's background thread while the save waits out its timeout.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None, create=create, enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=create)
+            cleanup_tmp_directories=create,
+            async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False))
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self.keep = keep
         self._failed = False
@@ -313,23 +333,29 @@ class Checkpointer:
         partial: ``abstract_state`` names a part of the saved state (a subset of its keys); only
         that part is read from disk (and verified).
         """
-        steps = self.all_steps()
-        if not steps:
-            raise CheckpointError(
-                f"checkpoint: no finished checkpoint in {self.directory} (the directory is empty "
-                f"or holds only unfinished saves)")
-        if step is None:
-            step = steps[-1]
-        if step not in steps:
-            raise CheckpointError(
-                f"checkpoint: expected a step in {steps} for {self.directory}, got {step}")
-        layout = self.data_layout(step) if data_iterator is not None else None
-        return self._restore(step, abstract_state, data_iterator, layout, partial)
+        for attempt in range(3):  # the latest step, read while a training run prunes
+            self._manager.reload()
+            steps = self.all_steps()
+            if not steps:
+                raise CheckpointError(
+                    f"checkpoint: no finished checkpoint in {self.directory} (the directory is "
+                    f"empty or holds only unfinished saves)")
+            chosen = steps[-1] if step is None else step
+            if chosen not in steps:
+                raise CheckpointError(
+                    f"checkpoint: expected a step in {steps} for {self.directory}, got {chosen}")
+            try:
+                layout = self.data_layout(chosen) if data_iterator is not None else None
+                return self._restore(chosen, abstract_state, data_iterator, layout, partial)
+            except CheckpointError as e:
+                if e.kind != "pruned" or step is not None or attempt == 2:
+                    raise
 
     def _restore(self, step: int, abstract_state: Any, data_iterator: Any | None,
                  layout: DataLayout | None, partial: bool):
         """``restore`` of an existing ``step`` whose ``data_layout`` the caller has read."""
         step_dir = os.path.join(self.directory, str(step))
+        self._check_shapes(step, abstract_state, partial)
         has_checksums = os.path.isdir(os.path.join(step_dir, "checksums"))
         if partial:
             items = {"state": ocp.args.PyTreeRestore(
@@ -350,10 +376,12 @@ class Checkpointer:
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:  # orbax raises many types for damaged directories
+            if not os.path.isdir(step_dir):
+                raise self._pruned(step) from e
             reason = f"unreadable: {_root_cause(e)}"
             raise CheckpointError(f"checkpoint: step {step} in {self.directory} could not be "
                                   f"restored (truncated or damaged? {_root_cause(e)})",
-                                  reason) from e
+                                  reason, "damaged") from e
         state = restored["state"]
         sums, non_finite = state_checksums(state)
         if has_checksums:
@@ -362,12 +390,58 @@ class Checkpointer:
             if bad or (not partial and set(sums) != set(expected)):
                 reason = f"checksum mismatch in {len(bad)} array(s), first {bad[:1]}"
                 raise CheckpointError(
-                    f"checkpoint: step {step} in {self.directory} is damaged: {reason}", reason)
+                    f"checkpoint: step {step} in {self.directory} is damaged: {reason}", reason,
+                    "damaged")
         if non_finite:
             reason = f"non-finite values in {len(non_finite)} array(s), first {non_finite[0]}"
             raise CheckpointError(
-                f"checkpoint: step {step} in {self.directory} is damaged: {reason}", reason)
+                f"checkpoint: step {step} in {self.directory} is damaged: {reason}", reason,
+                "damaged")
         return step, state
+
+    def _pruned(self, step: int) -> CheckpointError:
+        self._manager.reload()
+        return CheckpointError(
+            f"checkpoint: step {step} in {self.directory} was deleted while it was read (a "
+            f"training run in that directory keeps only its newest train.keep_checkpoints "
+            f"steps; those there now: {self.committed_steps() or 'none'}); read one of those",
+            "deleted while it was read", "pruned")
+
+    def _check_shapes(self, step: int, abstract_state: Any, partial: bool) -> None:
+        """Raises ``CheckpointError`` (kind "mismatch") if ``step``'s saved state holds other
+        arrays, or arrays of other shapes, than ``abstract_state`` (all of them; with
+        ``partial``, those it names): a checkpoint of another config, not a damaged one. A
+        step whose metadata cannot be read is left to the restore to report."""
+        try:
+            from etils import epath
+            saved = ocp.PyTreeCheckpointHandler().metadata(
+                epath.Path(self.directory) / str(step) / "state")
+            saved = {_path_key(p): tuple(m.shape) for p, m in
+                     jax.tree_util.tree_flatten_with_path(saved)[0] if hasattr(m, "shape")}
+        except Exception:  # noqa: BLE001  damaged metadata: the restore names it
+            if not os.path.isdir(os.path.join(self.directory, str(step))):
+                raise self._pruned(step) from None
+            return
+        wanted = {_path_key(p): tuple(x.shape)
+                  for p, x in jax.tree_util.tree_flatten_with_path(abstract_state)[0]}
+        if not saved:
+            return
+        missing = sorted(set(wanted) - set(saved))
+        extra = [] if partial else sorted(set(saved) - set(wanted))
+        differ = sorted(p for p in set(wanted) & set(saved) if wanted[p] != saved[p])
+        if not (missing or extra or differ):
+            return
+        if differ:
+            what = (f"{len(differ)} array(s) of other shapes, first {differ[0]}: saved "
+                    f"{saved[differ[0]]}, the config's {wanted[differ[0]]}")
+        else:
+            what = (f"other arrays ({len(missing)} of the config's missing, first "
+                    f"{(missing or ['-'])[0]}; {len(extra)} not in the config)")
+        raise CheckpointError(
+            f"checkpoint: step {step} in {self.directory} does not match the config's model "
+            f"({what}): it was written with another config; use the config.json of the run "
+            f"it belongs to, or another directory", f"shapes differ from the config: {what}",
+            "mismatch")
 
     def restore_latest_intact(self, abstract_state: Any,
                               data_iterator_for: Callable[[int, DataLayout | None], Any] | None
@@ -393,8 +467,11 @@ class Checkpointer:
                 step, state = self._restore(step, abstract_state, data_iterator, layout,
                                             partial=False)
             except CheckpointError as e:
+                if e.kind == "mismatch":  # the same config fails every step: not damage
+                    raise
                 _log.warning("%s", e, exc_info=e.__cause__)  # the whole error, to the log file
-                damaged.append((step, e))
+                if e.kind != "pruned":  # a deleted step is not damaged: nothing to move
+                    damaged.append((step, e))
                 continue
             for bad_step, err in damaged:
                 dest = self._move_aside(bad_step)

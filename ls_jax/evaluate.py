@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from typing import Any, Callable
 
 import jax
@@ -27,6 +28,22 @@ from ls_jax.state import restore_model
 from ls_jax.tokenizer import make_tokenizer
 
 _EVAL_FNS: dict[Any, Any] = {}
+# exp(loss) is a float64 up to this loss; a larger one (a diverged model) has no perplexity
+_MAX_EXP_LOSS = math.log(sys.float_info.max)
+
+
+def perplexity(loss: float) -> float | None:
+    """exp(``loss``), or None where it is not a finite float64 (a loss above ~709.8 nats, or
+    a non-finite one): no number a reader could use, so none is reported."""
+    return math.exp(loss) if math.isfinite(loss) and loss <= _MAX_EXP_LOSS else None
+
+
+def format_perplexity(ppl: float | None) -> str:
+    """A perplexity as printed: fixed-point up to 1e5, then 4 significant digits
+    ("2.688e+43"); None as "inf" (``perplexity``)."""
+    if ppl is None:
+        return "inf"
+    return f"{ppl:.3f}" if ppl < 1e5 else f"{ppl:.3e}"
 
 
 def _eval_fn(graphdef):
@@ -135,7 +152,7 @@ def evaluate_model(model: nnx.Module, cfg: Config, *, split: str | None = None,
         "batches": n_batches,
         "tokens": int(totals["tokens"]),
         "loss": loss,
-        "perplexity": math.exp(min(loss, 700.0)),
+        "perplexity": perplexity(loss),
         "bits_per_byte": float(totals["nats"] / math.log(2) / max(totals["bytes"], 1.0)),
         **logit_norm_summary(totals["attn_max_abs_logit"], totals["lm_head_max_abs_logit"]),
     }

@@ -11,14 +11,17 @@ import json
 import logging
 import math
 import os
+import queue
+import socket
 import struct
 import sys
+import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 
-from ls_jax.rundir import write_atomically, write_failed
+from ls_jax.rundir import WriteFailed, write_atomically, write_failed
 
 # TensorBoard rereads its event files every 5 s by default (--reload_interval): flushing them
 # (an fsync, which waits on every other writer of the disk) more often shows nothing sooner.
@@ -98,6 +101,126 @@ def _repair_event_file(path: str) -> int:
     return size - pos
 
 
+def _masked_crc32c(data: bytes) -> int:
+    """The checksum TFRecord framing stores: CRC-32C, rotated and offset."""
+    from tensorboardX.crc32c import crc32c
+    x = crc32c(data) & 0xFFFFFFFF
+    return (((x >> 15) | (x << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _tfrecord(data: bytes) -> bytes:
+    header = struct.pack("<Q", len(data))
+    return (header + struct.pack("<I", _masked_crc32c(header)) + data
+            + struct.pack("<I", _masked_crc32c(data)))
+
+
+_CLOSE = object()  # asks the events thread to flush, close the file and end
+
+
+class EventsWriter:
+    """TensorBoard scalars appended to a new events file in ``directory`` by a thread of its
+    own, which also flushes the file (with an fsync) at most every ``TENSORBOARD_FLUSH_S``
+    seconds: the caller never waits on the disk, and never blocks on the thread either (its
+    queue is unbounded; a record is a few hundred bytes per logged step). A write or flush that
+    fails (a full disk) ends the thread; the caller's next ``add``, ``flush`` or ``check``
+    raises ``WriteFailed`` naming the file.
+
+    ``purge_step``: events of this step and later, in the directory's older files, are hidden
+    from TensorBoard (a SessionLog START at that step: what a resumed run logs again)."""
+
+    def __init__(self, directory: str, purge_step: int | None = None):
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.proto.summary_pb2 import Summary
+        self._event, self._summary = Event, Summary
+        base = os.path.join(directory, f"events.out.tfevents.{int(time.time())}."
+                                       f"{socket.gethostname()}")
+        self.path, n = base, 0
+        try:
+            os.makedirs(directory, exist_ok=True)
+            while True:  # a new file, never one of an earlier run started in the same second
+                try:
+                    self._file = open(self.path, "xb")
+                    break
+                except FileExistsError:
+                    n += 1
+                    self.path = f"{base}.{n}"
+        except OSError as e:
+            raise write_failed(self.path, e) from e
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="tensorboard-events", daemon=True)
+        self._thread.start()
+        self._put(Event(wall_time=time.time(), file_version="brain.Event:2"))
+        if purge_step is not None:
+            self._put(Event(step=purge_step, wall_time=time.time(),
+                            session_log=SessionLog(status=SessionLog.START)))
+
+    def add(self, step: int, scalars: list[tuple[str, float]]) -> None:
+        """Queues one event holding ``scalars`` ((tag, value) pairs) at ``step``."""
+        values = [self._summary.Value(tag=tag, simple_value=value) for tag, value in scalars]
+        self._put(self._event(step=int(step), wall_time=time.time(),
+                              summary=self._summary(value=values)))
+
+    def _put(self, event) -> None:
+        self.check()
+        self._queue.put(_tfrecord(event.SerializeToString()))
+
+    def check(self) -> None:
+        """Raises ``WriteFailed`` if a write or flush of the file failed."""
+        if self._error is not None:
+            raise write_failed(self.path, self._error) from self._error
+        if not self._thread.is_alive():
+            raise WriteFailed(f"could not write {self.path} (it is closed)")
+
+    def flush(self) -> None:
+        """Waits until every event queued so far is on disk."""
+        self.check()
+        done = threading.Event()
+        self._queue.put(done)
+        while not done.wait(0.1):  # a signal's handler runs between the waits
+            if not self._thread.is_alive():
+                break
+        self.check()
+
+    def close(self) -> None:
+        """Writes what is queued and closes the file; a failure here is not raised (``flush``
+        raises it in a run that ends normally)."""
+        if self._thread.is_alive():
+            self._queue.put(_CLOSE)
+            while self._thread.is_alive():
+                self._thread.join(0.1)
+
+    def _run(self) -> None:
+        pending, due = False, None
+        try:
+            while True:
+                try:
+                    item = self._queue.get(timeout=None if due is None else
+                                           max(0.0, due - time.monotonic()))
+                except queue.Empty:
+                    item = None  # the periodic flush is due
+                if isinstance(item, bytes):
+                    self._file.write(item)
+                    if not pending:
+                        pending, due = True, time.monotonic() + TENSORBOARD_FLUSH_S
+                    continue
+                if pending:
+                    self._file.flush()
+                    os.fsync(self._file.fileno())
+                    pending, due = False, None
+                if item is _CLOSE:
+                    self._file.close()
+                    return
+                if item is not None:
+                    item.set()
+        except OSError as e:
+            self._error = e
+            try:
+                self._file.close()  # its buffered bytes are lost: the resume cuts a torn record
+            except OSError:
+                pass
+
+
 class MetricsWriter:
     """Appends one JSON record per logged step to the JSONL file ``path`` and, with
     ``tensorboard_dir``, writes the same numbers as TensorBoard scalars there (a run's paths:
@@ -109,9 +232,10 @@ class MetricsWriter:
     either is removed, with one ``warn`` line. Without it, an existing log is moved aside to
     ``<path>.old`` (a fresh run keeps, but does not mix, old logs).
 
-    ``metrics.jsonl`` is flushed at every record; the TensorBoard events at most every
-    ``TENSORBOARD_FLUSH_S`` seconds, at ``flush()`` and at ``close()``. A failed write or flush
-    (a full disk) raises ``WriteFailed`` naming the file.
+    ``metrics.jsonl`` is flushed at every record; the TensorBoard events (``EventsWriter``)
+    at most every ``TENSORBOARD_FLUSH_S`` seconds, at ``flush()`` and at ``close()``. A failed
+    write or flush (a full disk) raises ``WriteFailed`` naming the file: at once for
+    ``metrics.jsonl``, at the next ``write``, ``flush`` or ``check`` for the events.
     """
 
     def __init__(self, path: str, *, tensorboard_dir: str | None = None,
@@ -133,14 +257,9 @@ class MetricsWriter:
         except OSError as e:
             raise write_failed(self.path, e) from e
         if tensorboard_dir is not None:
-            from tensorboardX import SummaryWriter
             # events after the resumed step are dropped; the resumed step's own are kept
-            purge = None if resume_step is None else resume_step + 1
-            try:
-                self._tb = SummaryWriter(tensorboard_dir, purge_step=purge)
-            except OSError as e:
-                raise write_failed(tensorboard_dir, e) from e
-            self._tb_flushed = time.monotonic()
+            self._tb = EventsWriter(tensorboard_dir,
+                                    None if resume_step is None else resume_step + 1)
 
     def _repair(self, resume_step: int, warn) -> None:
         """Keeps the records up to ``resume_step``; removes partial last records."""
@@ -175,27 +294,21 @@ class MetricsWriter:
         except OSError as e:
             raise write_failed(self.path, e) from e
         if self._tb is not None:
-            for tag, value in _scalars(metrics):
-                if math.isfinite(value):
-                    self._tb.add_scalar(prefix + tag, value, step)
-            if time.monotonic() - self._tb_flushed >= TENSORBOARD_FLUSH_S:
-                self.flush()
+            self._tb.add(step, [(prefix + tag, value) for tag, value in _scalars(metrics)
+                                if math.isfinite(value)])
 
     def flush(self) -> None:
-        """Flushes the TensorBoard events file to disk (``metrics.jsonl`` is, at every record)."""
-        if not self.enabled or self._tb is None:
-            return
-        try:
+        """Puts the TensorBoard events written so far on disk (``metrics.jsonl`` is, at every
+        record)."""
+        if self.enabled and self._tb is not None:
             self._tb.flush()
-        except OSError as e:
-            raise write_failed(self._events_file(), e) from e
-        self._tb_flushed = time.monotonic()
 
-    def _events_file(self) -> str:
-        """The events file this writer appends to: the newest in its directory."""
-        names = [n for n in os.listdir(self._tb_dir) if n.startswith("events.out.tfevents")]
-        paths = [os.path.join(self._tb_dir, n) for n in names]
-        return max(paths, key=os.path.getmtime) if paths else self._tb_dir
+    def check(self) -> None:
+        """Raises ``WriteFailed`` if a write of the TensorBoard events or of the library log
+        (``send_library_logs_to``) failed since the last call; cheap enough for every step."""
+        if self.enabled and self._tb is not None:
+            self._tb.check()
+        check_library_log()
 
     def close(self) -> None:
         """Closes both logs, flushing the TensorBoard events. A write that fails here is not
@@ -203,12 +316,12 @@ class MetricsWriter:
         follows an error already raised (a resume repairs the logs)."""
         if not self.enabled:
             return
-        for closing in (self._file, self._tb):
-            if closing is not None:
-                try:
-                    closing.close()
-                except OSError:
-                    pass
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        if self._tb is not None:
+            self._tb.close()
 
 
 # -- the libraries' log records ----------------------------------------------------------------
@@ -221,15 +334,40 @@ class _NoTraceback(logging.Filter):
         return True
 
 
-def send_library_logs_to(path: str | None, *, echo: bool = False) -> str | None:
+class _LibraryLogFile(logging.FileHandler):
+    """The library log's file: a record that cannot be written (a full disk) is kept as the
+    error ``check_library_log`` raises, not reported on stderr."""
+
+    error: OSError | None = None
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        e = sys.exc_info()[1]
+        if isinstance(e, OSError) and _LibraryLogFile.error is None:
+            _LibraryLogFile.error = e
+            _LibraryLogFile.failed_path = self.baseFilename
+
+
+def check_library_log() -> None:
+    """Raises ``WriteFailed`` (once) if a record of the library log could not be written."""
+    e = _LibraryLogFile.error
+    if e is not None:
+        _LibraryLogFile.error = None
+        raise write_failed(_LibraryLogFile.failed_path, e) from e
+
+
+def send_library_logs_to(path: str | None, *, echo: bool = False,
+                         required: bool = False) -> str | None:
     """Routes the Python log records of the libraries (orbax and grain through absl, asyncio,
     jax, Python warnings) to the file ``path`` (appended; its directory is made) instead of the
     terminal: a failed save or a damaged checkpoint leaves its tracebacks there. ``echo``
     (``--debug``) also shows them on stderr. Returns ``path``, or None when there is none or it
     cannot be opened (the records then stay on stderr, one line each, without tracebacks).
-    Calling it again replaces the routing.
+    Calling it again replaces the routing. ``required``: a file that cannot be opened raises
+    ``WriteFailed`` instead (a training run writes its directory; an evaluation may read a
+    read-only one).
 
-    A record that cannot be written (a full disk) is dropped, never reported on stderr.
+    A record that cannot be written (a full disk) is not reported on stderr: the next
+    ``check_library_log`` (a training run calls it after every step) raises it.
     """
     root = logging.getLogger()
     for h in list(root.handlers):  # a library's logging.basicConfig(), or an earlier call
@@ -239,13 +377,15 @@ def send_library_logs_to(path: str | None, *, echo: bool = False) -> str | None:
                 h.close()
     handlers: list[logging.Handler] = []
     written = None
+    _LibraryLogFile.error = None
     if path is not None:
         try:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            handlers.append(logging.FileHandler(path))
+            handlers.append(_LibraryLogFile(path))
             written = path
-        except OSError:
-            pass
+        except OSError as e:
+            if required:
+                raise write_failed(path, e) from e
     if echo or written is None:
         handlers.append(logging.StreamHandler(sys.stderr))
         if not echo:

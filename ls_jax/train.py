@@ -9,8 +9,9 @@ the last checkpoint, and a final eval. The step and its jitted functions are ``l
 SIGTERM and SIGINT (Ctrl-C) ask for a stop throughout (``_Stopper``): during start-up the run
 stops before its first step, in the loop after the current step (saved first), in the final
 eval at once (its checkpoint is committed before the eval starts); each ends with one line and
-returns normally. A second signal stops at once (``Interrupted``), except while a checkpoint is
-being written, which it waits for.
+returns normally. A second signal stops at once (``Interrupted``; with ``exit_at_once`` it ends
+the process), except while a checkpoint is being written, which it waits for (with
+``exit_at_once``, at most ``SECOND_SIGNAL_WAIT_S``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import select
 import signal
 import sys
 import threading
@@ -32,7 +34,7 @@ from ls_jax import data as data_lib
 from ls_jax import sharding as sharding_lib
 from ls_jax.checkpoint import CheckpointError, Checkpointer, DataLayout
 from ls_jax.config import Config
-from ls_jax.evaluate import evaluate_model
+from ls_jax.evaluate import evaluate_model, format_perplexity
 from ls_jax.gc_pause import collection_paused
 from ls_jax.metrics import MetricsWriter, logit_norm_summary
 from ls_jax.model import count_params
@@ -42,6 +44,14 @@ from ls_jax.sources import load_split
 from ls_jax.state import init_key
 from ls_jax.step import STATS_KEYS, TrainFns, check_batch_split, compile_train_fns
 from ls_jax.tokenizer import make_tokenizer
+
+# A second signal waits this long for a checkpoint being written (a save of a small model
+# commits well within it), then ends the process anyway: a stop asked twice is never long.
+SECOND_SIGNAL_WAIT_S = 5.0
+# After a first signal, a save whose partial directory did not change for this long is stalled
+# (a hung disk): the process ends, keeping the checkpoints already committed.
+STALLED_SAVE_S = 10.0
+
 
 class TrainingDiverged(RuntimeError):
     """Raised when a step produced a non-finite loss or gradient norm."""
@@ -86,7 +96,8 @@ def use_compilation_cache() -> str | None:
 
 
 def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
-          stop_at_time: float | None = None, log: Callable[[str], None] = print) -> TrainResult:
+          stop_at_time: float | None = None, log: Callable[[str], None] = print,
+          exit_at_once: bool = False) -> TrainResult:
     """Trains ``cfg`` in ``workdir``, resuming from its latest intact checkpoint if there is one.
 
     stop_after_steps: stop (after checkpointing) once this many steps ran in this call, as a
@@ -97,23 +108,48 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
     only once the config, both data splits and the checkpoint passed their checks. A stop
     (signal, step count, time) returns ``interrupted=True`` with its line in ``stop`` (also
     logged); a second signal raises ``Interrupted``.
+
+    exit_at_once: what a command line wants. Signals are counted by a thread of their own
+    (every one, also while the main thread is inside a long native call such as a
+    compilation), and a second signal, or a first one while a checkpoint save is stalled
+    (``STALLED_SAVE_S``), prints its ``error:`` line on stderr and ends the process
+    (``os._exit``, status 128 + the signal) without waiting on the main thread or tearing down
+    the interpreter under native threads that still run. What is committed on disk is kept.
     """
-    with _Stopper(stop_after_steps, stop_at_time) as stopper:
+    run = RunDir(workdir)
+
+    def last_checkpoint() -> str:
+        steps = run.checkpoint_steps()
+        return (f"the last checkpoint is step {steps[-1]} in {run.checkpoint_dir}" if steps
+                else "there is no checkpoint yet")
+
+    def second_signal_line(name: str) -> str:
+        return (f"stopped at once by a second {name} (nothing more was saved); "
+                f"{last_checkpoint()}; rerun the same command to resume")
+
+    def stalled_line(name: str) -> str:
+        return (f"stopped by {name} while a checkpoint save wrote nothing for "
+                f"{STALLED_SAVE_S:.0f} s (a stalled disk?; the unfinished save is removed on the "
+                f"next start); {last_checkpoint()}; rerun the same command to resume")
+
+    with _Stopper(stop_after_steps, stop_at_time,
+                  exit_with=(second_signal_line, stalled_line) if exit_at_once else None,
+                  checkpoint_dir=run.checkpoint_dir) as stopper:
         try:
             mesh = sharding_lib.make_mesh(cfg.mesh)
             check_train_config(cfg, mesh)
             is_main = jax.process_index() == 0
-            with RunDir(workdir).lock() if is_main else contextlib.nullcontext():
+            with run.lock() if is_main else contextlib.nullcontext():
                 return _train(cfg, mesh, workdir, stopper, log)
         except KeyboardInterrupt as e:
             if isinstance(e, Interrupted) or stopper.signum is None:
                 raise
-            steps = RunDir(workdir).checkpoint_steps()
-            last = (f"the last checkpoint is step {steps[-1]} in {RunDir(workdir).checkpoint_dir}"
-                    if steps else "there is no checkpoint yet")
-            raise Interrupted(f"stopped at once by a second {stopper.signal_name} (nothing more "
-                              f"was saved); {last}; rerun the same command to resume",
-                              stopper.signum) from None
+            raise Interrupted(second_signal_line(stopper.signal_name), stopper.signum) from None
+        except TrainingDiverged as e:  # the run's saves are committed: name the newest
+            steps = run.checkpoint_steps()
+            where = (f"the newest good checkpoint is step {steps[-1]} in {run.checkpoint_dir}"
+                     if steps else "no checkpoint was saved before it")
+            raise TrainingDiverged(f"{e}; {where}") from None
 
 
 def _train(cfg: Config, mesh, workdir: str, stopper: "_Stopper", log) -> TrainResult:
@@ -353,7 +389,6 @@ def _step_loop(cfg: Config, mesh, fns: TrainFns, state, start_step: int, data: _
 
     def say_committed(steps):
         for s in steps:
-            step_log.last_saved = s
             step_log.say(f"checkpoint: step {s} saved to {ckpt.directory}")
 
     while step < tcfg.num_steps and why_stop is None:
@@ -363,6 +398,7 @@ def _step_loop(cfg: Config, mesh, fns: TrainFns, state, start_step: int, data: _
         step += 1
         profiler.after_step(step, dev_metrics)
         step_log.record(step, dev_metrics)
+        step_log.check_writes()  # a failed write of the logs (a full disk) stops the run here
         with stopper.commit():
             say_committed(ckpt.poll())  # a background save that failed stops the run here
         why_stop = stopper.after_step()
@@ -399,7 +435,8 @@ def _final_eval(cfg: Config, graphdef, state, step: int, step_log: "_StepLog",
     step_log.write_eval(step, metrics)
     step_log.close_progress()  # the eval line below starts on a line of its own
     step_log.say(f"final eval ({cfg.data.eval_split}): loss {metrics['loss']:.4f} "
-                 f"ppl {metrics['perplexity']:.2f} bpb {metrics['bits_per_byte']:.4f}")
+                 f"ppl {format_perplexity(metrics['perplexity'])} "
+                 f"bpb {metrics['bits_per_byte']:.4f}")
     return metrics
 
 
@@ -413,15 +450,27 @@ class _Stopper:
     start-up check, the end of a step, a batch of the final eval). A second signal raises
     KeyboardInterrupt at once, except inside ``commit()`` (a checkpoint being written or
     verified), whose end it waits for.
+
+    exit_with: (line of a second signal, line of a stalled save), each given the signal's name:
+    the signals are then counted by a thread of their own, from the interpreter's wakeup fd
+    (one byte per signal delivered: two signals in quick succession count as two even while
+    the main thread is inside one native call). That thread ends the process at a second signal
+    (after the checkpoint being written, for at most ``SECOND_SIGNAL_WAIT_S``) and at a save
+    stalled after a first one; the main thread's handlers do nothing.
     """
 
-    def __init__(self, after_steps: int | None, at_time: float | None):
+    def __init__(self, after_steps: int | None, at_time: float | None, *,
+                 exit_with: tuple[Callable[[str], str], Callable[[str], str]] | None = None,
+                 checkpoint_dir: str | None = None):
         self.after_steps, self.at_time = after_steps, at_time
         self.signum = None
         self._ran = 0
         self._old = {}
         self._committing = 0
         self._deferred = False  # a second signal arrived inside commit()
+        self._exit_with, self._checkpoint_dir = exit_with, checkpoint_dir
+        self._wakeup = None  # (read fd, write fd, the wakeup fd before ours)
+        self._exiting = False  # the watching thread is ending the process
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -429,9 +478,18 @@ class _Stopper:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: no signal handling
                 pass
+        if self._old and self._exit_with is not None:
+            r, w = os.pipe()
+            os.set_blocking(w, False)
+            self._wakeup = (r, w, signal.set_wakeup_fd(w, warn_on_full_buffer=False))
+            threading.Thread(target=self._watch, args=(r,), name="signals", daemon=True).start()
         return self
 
     def _handle(self, signum, frame):
+        if self._wakeup is not None:  # the watching thread counts it; the stop is asked now
+            if self.signum is None:
+                self.signum = signum
+            return
         if self.signum is None:
             self.signum = signum
         elif self._committing:
@@ -440,12 +498,81 @@ class _Stopper:
             raise KeyboardInterrupt
 
     def __exit__(self, *exc):
+        if self._wakeup is not None:
+            r, w, old = self._wakeup
+            signal.set_wakeup_fd(old)
+            os.close(w)  # the watching thread reads the end of the pipe and returns
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
+    def _watch(self, fd: int) -> None:
+        """The signal-watching thread of ``exit_with``."""
+        stopping = (signal.SIGTERM, signal.SIGINT)
+        seen, since = None, None  # the partial saves' (files, bytes), and since when
+        count = 0
+        try:
+            while True:
+                ready, _, _ = select.select([fd], [], [], 1.0)
+                data = os.read(fd, 64) if ready else b""
+                if ready and not data:
+                    return  # the run ended
+                for signum in data:
+                    if signum not in stopping:
+                        continue
+                    count += 1
+                    if self.signum is None:
+                        self.signum = signum
+                    if count >= 2:
+                        self._exit(signum, self._exit_with[0], SECOND_SIGNAL_WAIT_S)
+                if self.signum is None or not self._committing:
+                    seen, since = None, None
+                    continue
+                now = self._partial_saves()
+                if now != seen:
+                    seen, since = now, time.monotonic()
+                elif time.monotonic() - since >= STALLED_SAVE_S:
+                    self._exit(self.signum, self._exit_with[1], 0.0)
+        finally:
+            os.close(fd)
+
+    def _partial_saves(self) -> tuple[int, int]:
+        """(files, bytes) under the unfinished saves' directories: what a save's progress
+        changes."""
+        files = size = 0
+        root = self._checkpoint_dir
+        try:
+            names = [n for n in os.listdir(root) if not n.isdigit()]
+        except OSError:
+            return 0, 0
+        for name in names:
+            files += 1  # the directory itself, made before anything is written into it
+            for parent, _, children in os.walk(os.path.join(root, name)):
+                for child in children:
+                    with contextlib.suppress(OSError):
+                        size += os.path.getsize(os.path.join(parent, child))
+                    files += 1
+        return files, size
+
+    def _exit(self, signum: int, line: Callable[[str], str], wait_s: float) -> None:
+        """Ends the process with ``line`` once no checkpoint is being written (in the main
+        thread or in the background: an unfinished save's directory), for at most
+        ``wait_s``."""
+        self._exiting = True  # the main thread starts no new save (``commit``)
+        deadline = time.monotonic() + wait_s
+        while (self._committing or self._partial_saves()[0]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        message = f"error: {line(signal.Signals(signum).name)}\n"
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os.write(2, message.encode())
+        os._exit(128 + signum)
+
     @contextlib.contextmanager
     def commit(self):
-        """A block a second signal does not cut short (it acts at the block's end)."""
+        """A block a second signal does not cut short (it acts at the block's end; with
+        ``exit_with`` it waits at most ``SECOND_SIGNAL_WAIT_S``)."""
+        while self._exiting:  # the watching thread ends the process: start nothing new
+            time.sleep(1.0)
         self._committing += 1
         try:
             yield
@@ -504,7 +631,6 @@ class _StepLog:
         self.progress = _progress_bar(cfg.train, start_step, enabled=enabled and cfg.train.progress)
         self.losses: dict[int, float] = {}
         self.last_metrics: dict[str, Any] = {}
-        self.last_saved = start_step or None  # named in the divergence error
         self._pending = None  # (step, device metrics) not read yet
         self._t_last, self._steps_since_log = time.perf_counter(), 0
 
@@ -525,7 +651,7 @@ class _StepLog:
         self._pending = None
         host = _to_host(dev_metrics)
         self.losses[step] = host["loss"]
-        _check_finite(step, host, self.last_saved)
+        _check_finite(step, host)
         self._steps_since_log += 1
         if not self.logs(step):
             return
@@ -543,6 +669,10 @@ class _StepLog:
             self.log(f"step {step}: loss {host['loss']:.4f} max|logit| "
                      f"{host['max_abs_logit']:.2f} lm_head {host['lm_head_max_abs_logit']:.2f} "
                      f"{host['tokens_per_sec']:.0f} tok/s")
+
+    def check_writes(self) -> None:
+        """Raises ``WriteFailed`` if a write of the logs in the background failed."""
+        self.writer.check()
 
     def write_eval(self, step: int, metrics: dict[str, Any]) -> None:
         self.writer.write(step, metrics, prefix="eval/")
@@ -587,16 +717,15 @@ def _to_host(metrics: dict) -> dict[str, Any]:
     return out
 
 
-def _check_finite(step: int, metrics: dict[str, Any], last_saved: int | None) -> None:
+def _check_finite(step: int, metrics: dict[str, Any]) -> None:
+    """Raises ``TrainingDiverged`` (``train`` adds the newest checkpoint on disk to it)."""
     bad = [k for k in ("loss", "grad_norm") if not math.isfinite(metrics[k])]
     if bad:
-        where = (f"the last good checkpoint is step {last_saved}" if last_saved is not None
-                 else "no checkpoint was saved before it")
         logit = (f", max_abs_logit={metrics['max_abs_logit']}" if "max_abs_logit" in metrics
                  else "")
         raise TrainingDiverged(
             f"training diverged at step {step}: non-finite {', '.join(bad)} "
-            f"(loss={metrics['loss']}, grad_norm={metrics['grad_norm']}{logit}); {where}")
+            f"(loss={metrics['loss']}, grad_norm={metrics['grad_norm']}{logit})")
 
 
 def _progress_bar(tcfg, start_step: int, enabled: bool):

@@ -643,23 +643,6 @@ def test_a_full_disk_names_the_file_and_the_rerun_goes_on(tmp_path, monkeypatch)
     assert [r["step"] for r in read_jsonl(metrics) if "loss" in r] == list(range(1, 7))
 
 
-def test_a_full_disk_under_tensorboard_names_its_events_file(tmp_path, monkeypatch):
-    from tensorboardX import SummaryWriter
-    writer = metrics_lib.MetricsWriter(str(tmp_path / "metrics.jsonl"),
-                                       tensorboard_dir=str(tmp_path / "tb"))
-    writer.write(1, {"loss": 1.0})
-
-    def full_disk(self):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(SummaryWriter, "flush", full_disk)
-    monkeypatch.setattr(metrics_lib, "TENSORBOARD_FLUSH_S", 0.0)  # this write's flush is due
-    with pytest.raises(OSError, match=rf"^could not write {tmp_path}/tb/events\.out\.tfevents\.\S+ "
-                                      rf"\(No space left on device\); free space on its disk"):
-        writer.write(2, {"loss": 1.0})
-    writer.close()  # the error was raised once; closing does not raise it again
-
-
 # -- issue 36.8: the documented error format is what the program prints -------------------------
 
 def test_a_bad_override_is_one_line_as_documented(capsys):

@@ -55,11 +55,14 @@ from ls_jax.kernels.dispatch import (
     choose_primal_implementation,
     current_platform,
 )
+from ls_jax.kernels.forward_mode import with_forward_mode
 from ls_jax.kernels.heads import kv_group_size
 from ls_jax.kernels.reference import default_scale
 from ls_jax.kernels.sharded import Call, attention, register_backend_lookup
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# float64 (under jax_enable_x64): the reference alone computes in it; the kernels do not
+REFERENCE_DTYPES = SUPPORTED_DTYPES + (jnp.float64,)
 
 __all__ = ["DEFAULT_IMPLEMENTATION", "IMPLEMENTATIONS", "LogitStats", "default_implementation",
            "get_backend", "ls_attention", "normalize_window_sizes", "validate_inputs"]
@@ -108,9 +111,10 @@ def validate_inputs(q, k, v, window_sizes, segment_ids, scale) -> tuple[WindowSi
         if x.ndim != 4:
             raise ValueError(
                 f"{name}: expected rank 4 [B, T, H, D], got rank {x.ndim} with shape {tuple(x.shape)}")
-        if x.dtype not in SUPPORTED_DTYPES:
+        if x.dtype not in REFERENCE_DTYPES:
             raise ValueError(
-                f"{name}: expected dtype float32, bfloat16 or float16, got {x.dtype}")
+                f"{name}: expected dtype float32, bfloat16, float16 (or float64 with "
+                f"implementation='reference'), got {x.dtype}")
     B, T, H, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v: expected the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
@@ -215,7 +219,8 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
     windows (``kernels/sharded.py``); a split sequence (T) or head dimension (D) is refused.
 
     Args:
-      q: [B, T, Hq, D] queries (float32, bfloat16 or float16).
+      q: [B, T, Hq, D] queries (float32, bfloat16 or float16; float64 with
+        implementation="reference", under ``jax_enable_x64``).
       k, v: [B, T, Hkv, D] keys and values, Hkv divides Hq (GQA: query head h reads kv head
         h // (Hq // Hkv)).
       window_sizes: length-Hq tuple; an int p >= 1 makes head h local, None makes it global
@@ -264,6 +269,10 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation: expected None or one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if q.dtype not in SUPPORTED_DTYPES and (implementation, primal) != ("reference",) * 2:
+        raise ValueError(
+            f"q: float64 is computed by implementation='reference' alone, got implementation="
+            f"{implementation!r}; cast q, k, v to float32 or pass implementation='reference'")
     call = Call(primal=primal, differentiated=implementation, windows=windows, scale=scale,
                 logit_stats=bool(return_logit_stats), has_segments=segment_ids is not None,
                 interpret=interpret)
@@ -271,7 +280,17 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
         raise ValueError(
             "partition_spec: expected None or a jax.sharding.PartitionSpec, got "
             f"{type(partition_spec).__name__}")
-    out, max_abs_logit = attention(call, q, k, v, segment_ids, partition_spec)
+    differentiated = call._replace(primal=call.differentiated)
+
+    def reference(q, k, v, segment_ids):
+        from ls_jax.kernels.reference import reference_backend
+        return reference_backend(q, k, v, window_sizes=windows, segment_ids=segment_ids,
+                                 scale=scale, return_logit_stats=False, interpret=False)[0]
+
+    out, max_abs_logit = with_forward_mode(
+        lambda *a: attention(call, *a, partition_spec),
+        lambda *a: attention(differentiated, *a, partition_spec), reference,
+        q, k, v, segment_ids)
     if not return_logit_stats:
         return out
     return out, LogitStats(max_abs_logit=jax.lax.stop_gradient(max_abs_logit.astype(jnp.float32)))

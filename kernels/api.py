@@ -37,6 +37,7 @@ runs once per shard, the batch and the heads split: ``kernels/sharded.py``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -54,6 +55,7 @@ from ls_jax.kernels.dispatch import (
     choose_implementation,
     choose_primal_implementation,
     current_platform,
+    export_platforms,
 )
 from ls_jax.kernels.forward_mode import with_forward_mode
 from ls_jax.kernels.heads import kv_group_size
@@ -144,6 +146,11 @@ def validate_inputs(q, k, v, window_sizes, segment_ids, scale) -> tuple[WindowSi
     return windows, float(scale)
 
 
+# backends that call JAX's cuDNN attention (kernels/cudnn.py, kernels/split.py), which lowers
+# for CUDA alone: a program exported for several platforms runs "pallas_gpu" in their place
+JAX_KERNELS = ("cudnn", "split")
+
+
 # implementation=None chooses for the platform of the machine that traces the call; a program
 # lowered for another platform (jax.export(..., platforms=...)) would run that choice there (the
 # dense reference on a GPU, say). An identity on q whose lowering checks the platforms refuses
@@ -162,7 +169,8 @@ def _platform_guard_lowering(ctx, x, *, traced_on: str, chosen: str):
         raise ValueError(
             f"implementation: None chose {chosen!r} for {traced_on!r}, the platform of the "
             f"machine that traced the call, but the program is lowered for {tuple(others)!r}; "
-            "pass implementation= explicitly (e.g. 'pallas_gpu' for cuda, 'pallas_tpu' for tpu)")
+            "export with ls_jax.export.export (it chooses per platform) or pass "
+            "implementation= explicitly (e.g. 'pallas_gpu' for cuda, 'pallas_tpu' for tpu)")
     return [x]
 
 
@@ -249,7 +257,13 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
       [B, T, Hq, D] in q's dtype, or ``(out, LogitStats)`` with ``return_logit_stats=True``.
     """
     windows, scale = validate_inputs(q, k, v, window_sizes, segment_ids, scale)
-    primal = implementation
+    if partition_spec is not None and not isinstance(partition_spec, jax.sharding.PartitionSpec):
+        raise ValueError(
+            "partition_spec: expected None or a jax.sharding.PartitionSpec, got "
+            f"{type(partition_spec).__name__}")
+    run = functools.partial(_run, windows=windows, scale=scale, segment_ids=segment_ids,
+                            logit_stats=bool(return_logit_stats), interpret=interpret,
+                            partition_spec=partition_spec)
     if implementation is None:
         if interpret:
             raise ValueError(
@@ -258,39 +272,56 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
         B, T, H, D = q.shape
         case = dict(window_sizes=windows, seq_len=T, head_dim=D, dtype=q.dtype,
                     has_segments=segment_ids is not None, return_logit_stats=return_logit_stats)
-        implementation = choose_implementation(**case)
-        primal = choose_primal_implementation(**case)
-        q = _platform_guard_p.bind(q, traced_on=current_platform(), chosen=implementation)
-    elif interpret and implementation not in INTERPRET_IMPLEMENTATIONS:
-        raise ValueError(
-            "interpret: only the Pallas backends and 'split' (its local heads), "
-            f"{INTERPRET_IMPLEMENTATIONS}, have an interpret mode; got interpret={interpret!r} "
-            f"with implementation={implementation!r}")
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation: expected None or one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if q.dtype not in SUPPORTED_DTYPES and (implementation, primal) != ("reference",) * 2:
+        platforms = export_platforms()
+        if platforms is None:  # the tracing machine's platform
+            implementation = choose_implementation(**case)
+            q = _platform_guard_p.bind(q, traced_on=current_platform(), chosen=implementation)
+            out, max_abs_logit = run(choose_primal_implementation(**case), implementation,
+                                     q, k, v)
+        else:  # one branch per platform of the export, each lowered for its own
+            def pallas_where_several(name):  # cuDNN's calls lower for one platform alone
+                return "pallas_gpu" if len(platforms) > 1 and name in JAX_KERNELS else name
+
+            branches = {p: functools.partial(
+                run, pallas_where_several(choose_primal_implementation(p, **case)),
+                pallas_where_several(choose_implementation(p, **case))) for p in platforms}
+            out, max_abs_logit = (branches[platforms[0]](q, k, v) if len(platforms) == 1
+                                  else jax.lax.platform_dependent(q, k, v, **branches))
+    else:
+        if interpret and implementation not in INTERPRET_IMPLEMENTATIONS:
+            raise ValueError(
+                "interpret: only the Pallas backends and 'split' (its local heads), "
+                f"{INTERPRET_IMPLEMENTATIONS}, have an interpret mode; got "
+                f"interpret={interpret!r} with implementation={implementation!r}")
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation: expected None or one of {IMPLEMENTATIONS}, "
+                             f"got {implementation!r}")
+        out, max_abs_logit = run(implementation, implementation, q, k, v)
+    if not return_logit_stats:
+        return out
+    return out, LogitStats(max_abs_logit=jax.lax.stop_gradient(max_abs_logit.astype(jnp.float32)))
+
+
+def _run(primal: str, differentiated: str, q, k, v, *, windows: WindowSizes, scale: float,
+         segment_ids, logit_stats: bool, interpret, partition_spec):
+    """(out, max_abs_logit or None) of validated inputs with the ``primal`` backend where
+    nothing differentiates the call and ``differentiated`` where something does (forward or
+    reverse mode: ``kernels/forward_mode.py``)."""
+    if q.dtype not in SUPPORTED_DTYPES and (primal, differentiated) != ("reference",) * 2:
         raise ValueError(
             f"q: float64 is computed by implementation='reference' alone, got implementation="
-            f"{implementation!r}; cast q, k, v to float32 or pass implementation='reference'")
-    call = Call(primal=primal, differentiated=implementation, windows=windows, scale=scale,
-                logit_stats=bool(return_logit_stats), has_segments=segment_ids is not None,
+            f"{differentiated!r}; cast q, k, v to float32 or pass implementation='reference'")
+    call = Call(primal=primal, differentiated=differentiated, windows=windows, scale=scale,
+                logit_stats=logit_stats, has_segments=segment_ids is not None,
                 interpret=interpret)
-    if partition_spec is not None and not isinstance(partition_spec, jax.sharding.PartitionSpec):
-        raise ValueError(
-            "partition_spec: expected None or a jax.sharding.PartitionSpec, got "
-            f"{type(partition_spec).__name__}")
-    differentiated = call._replace(primal=call.differentiated)
+    as_differentiated = call._replace(primal=differentiated)
 
     def reference(q, k, v, segment_ids):
         from ls_jax.kernels.reference import reference_backend
         return reference_backend(q, k, v, window_sizes=windows, segment_ids=segment_ids,
                                  scale=scale, return_logit_stats=False, interpret=False)[0]
 
-    out, max_abs_logit = with_forward_mode(
+    return with_forward_mode(
         lambda *a: attention(call, *a, partition_spec),
-        lambda *a: attention(differentiated, *a, partition_spec), reference,
+        lambda *a: attention(as_differentiated, *a, partition_spec), reference,
         q, k, v, segment_ids)
-    if not return_logit_stats:
-        return out
-    return out, LogitStats(max_abs_logit=jax.lax.stop_gradient(max_abs_logit.astype(jnp.float32)))

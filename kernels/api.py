@@ -38,7 +38,7 @@ runs once per shard, the batch and the heads split: ``kernels/sharded.py``.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Literal, NamedTuple, Sequence, overload
 
 import jax
 import jax.numpy as jnp
@@ -207,9 +207,42 @@ def get_backend(implementation: str):
 register_backend_lookup(lambda name: get_backend(name))  # read per call: tests replace it
 
 
-def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
-                 return_logit_stats=False, implementation=None, interpret=False,
-                 partition_spec=None):
+# the argument types of ls_attention (its overloads differ in return_logit_stats alone)
+ArrayIn = jax.Array | np.ndarray
+Implementation = Literal["reference", "cudnn", "pallas_gpu", "pallas_tpu", "split"]
+
+
+@overload
+def ls_attention(q: ArrayIn, k: ArrayIn, v: ArrayIn, window_sizes: Sequence[int | None], *,
+                 segment_ids: ArrayIn | None = None, scale: float | None = None,
+                 return_logit_stats: Literal[False] = False,
+                 implementation: Implementation | None = None, interpret: Any = False,
+                 partition_spec: jax.sharding.PartitionSpec | None = None) -> jax.Array: ...
+
+
+@overload
+def ls_attention(q: ArrayIn, k: ArrayIn, v: ArrayIn, window_sizes: Sequence[int | None], *,
+                 segment_ids: ArrayIn | None = None, scale: float | None = None,
+                 return_logit_stats: Literal[True],
+                 implementation: Implementation | None = None, interpret: Any = False,
+                 partition_spec: jax.sharding.PartitionSpec | None = None
+                 ) -> tuple[jax.Array, LogitStats]: ...
+
+
+@overload
+def ls_attention(q: ArrayIn, k: ArrayIn, v: ArrayIn, window_sizes: Sequence[int | None], *,
+                 segment_ids: ArrayIn | None = None, scale: float | None = None,
+                 return_logit_stats: bool = False,
+                 implementation: Implementation | None = None, interpret: Any = False,
+                 partition_spec: jax.sharding.PartitionSpec | None = None
+                 ) -> jax.Array | tuple[jax.Array, LogitStats]: ...
+
+
+def ls_attention(q: ArrayIn, k: ArrayIn, v: ArrayIn, window_sizes: Sequence[int | None], *,
+                 segment_ids: ArrayIn | None = None, scale: float | None = None,
+                 return_logit_stats: bool = False, implementation: str | None = None,
+                 interpret: Any = False, partition_spec: jax.sharding.PartitionSpec | None = None
+                 ) -> jax.Array | tuple[jax.Array, LogitStats]:
     """Causal attention with a window per query head (LS-attention), in one call for all heads.
 
     Window semantics, side by side (p an int >= 1):

@@ -88,8 +88,9 @@ def _tangent_jvp(primals, tangents, *, tangent, transpose, n_prims, n_res):
 
 
 def _tangent_batch(args, dims, *, tangent, transpose, n_prims, n_res):
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not batching.not_mapped)
-    args = [batching.bdim_at_front(x, d, size) for x, d in zip(args, dims)]
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    args = [jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0)
+            for x, d in zip(args, dims)]
     out = _tangent_p.bind(*args, tangent=jax.vmap(tangent), transpose=jax.vmap(transpose),
                           n_prims=n_prims, n_res=n_res)
     return out, 0

@@ -41,8 +41,7 @@ def _lowering(ctx, *args, jaxpr, platform):
 
 
 def _batch(args, dims, *, jaxpr, platform):
-    fn = jax.vmap(jaxpr_as_fun(jaxpr), in_axes=tuple(
-        None if d is batching.not_mapped else d for d in dims))
+    fn = jax.vmap(jaxpr_as_fun(jaxpr), in_axes=tuple(dims))  # None: not mapped
     outs = _bind(platform, fn, args)
     return outs, [0] * len(outs)
 

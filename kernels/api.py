@@ -55,10 +55,10 @@ from ls_jax.kernels.dispatch import (
     choose_implementation,
     choose_primal_implementation,
     current_platform,
-    export_platforms,
 )
 from ls_jax.kernels.forward_mode import with_forward_mode
 from ls_jax.kernels.heads import kv_group_size
+from ls_jax.kernels.platform_call import export_platforms
 from ls_jax.kernels.reference import default_scale
 from ls_jax.kernels.sharded import Call, attention, register_backend_lookup
 
@@ -257,7 +257,12 @@ def ls_attention(q: ArrayIn, k: ArrayIn, v: ArrayIn, window_sizes: Sequence[int 
     Sharded inputs: under ``jax.jit`` with q, k, v split over mesh axes (of any names) along
     the batch and/or the heads, the backend runs once per shard, forward and backward, with
     no gather of q, k, v, the output or their gradients, and each head shard with its own
-    windows (``kernels/sharded.py``); a split sequence (T) or head dimension (D) is refused.
+    windows (``kernels/sharded.py``); a split sequence (T) or head dimension (D) is refused
+    (on Auto axes: taken whole, with a one-line warning).
+
+    Forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``, Hessian-vector products) computes its
+    tangents with the reference (dense logits); reverse mode runs the backend's backward
+    (``kernels/forward_mode.py``).
 
     Args:
       q: [B, T, Hq, D] queries (float32, bfloat16 or float16; float64 with
@@ -273,7 +278,8 @@ def ls_attention(q: ArrayIn, k: ArrayIn, v: ArrayIn, window_sizes: Sequence[int 
         ``kernels/dispatch.py``; where the fastest forward alone is another backend, a call
         that nothing differentiates runs that one, ``kernels/directional.py``; the platform is
         the tracing machine's, and lowering the call for another, as
-        ``jax.export(..., platforms=...)`` can, is refused), "reference",
+        ``jax.export(..., platforms=...)`` can, is refused; ``ls_jax.export.export`` chooses
+        for each platform it exports for), "reference",
         "cudnn", "pallas_gpu", "pallas_tpu" or "split" (cuDNN for the global heads,
         "pallas_gpu" for the local ones).
       interpret: run a Pallas backend in Pallas interpret mode (on CPU); for "split" its local

@@ -20,8 +20,6 @@ every CUDA card (<= 128, a multiple of 8).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from fractions import Fraction
 
 import jax
@@ -40,29 +38,6 @@ DEFAULT_IMPLEMENTATION = {
     "cuda": "pallas_gpu",
     "tpu": "pallas_tpu",
 }
-
-
-# The platforms a program is being exported for (ls_jax.export.export sets them while it
-# traces): implementation=None then chooses per platform, with lax.platform_dependent.
-_EXPORT_PLATFORMS: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
-    "ls_attention_export_platforms", default=None)
-
-
-@contextlib.contextmanager
-def exporting_for(platforms: tuple[str, ...]):
-    """While tracing under it, ``ls_attention(..., implementation=None)`` chooses a backend
-    for each of ``platforms`` (one ``jax.lax.platform_dependent`` branch each) rather than
-    for the tracing machine's."""
-    token = _EXPORT_PLATFORMS.set(tuple(platforms))
-    try:
-        yield
-    finally:
-        _EXPORT_PLATFORMS.reset(token)
-
-
-def export_platforms() -> tuple[str, ...] | None:
-    """The platforms set by ``exporting_for``, or None outside it."""
-    return _EXPORT_PLATFORMS.get()
 
 
 def current_platform() -> str:

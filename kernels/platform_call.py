@@ -11,15 +11,38 @@ calls the launch as it is.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
 from jax.extend.core import Primitive, jaxpr_as_fun
 from jax.interpreters import batching, mlir
 
-from ls_jax.kernels.dispatch import export_platforms
+__all__ = ["export_platforms", "exporting_for", "on_platform"]
 
-__all__ = ["on_platform"]
+# The platforms a program is being exported for (ls_jax.export.export sets them while it
+# traces): implementation=None then chooses per platform, with lax.platform_dependent.
+_EXPORT_PLATFORMS: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "ls_attention_export_platforms", default=None)
+
+
+@contextlib.contextmanager
+def exporting_for(platforms: tuple[str, ...]):
+    """While tracing under it, ``ls_attention(..., implementation=None)`` chooses a backend
+    for each of ``platforms`` (one ``jax.lax.platform_dependent`` branch each) rather than
+    for the tracing machine's."""
+    token = _EXPORT_PLATFORMS.set(tuple(platforms))
+    try:
+        yield
+    finally:
+        _EXPORT_PLATFORMS.reset(token)
+
+
+def export_platforms() -> tuple[str, ...] | None:
+    """The platforms set by ``exporting_for``, or None outside it."""
+    return _EXPORT_PLATFORMS.get()
+
 
 _on_platform_p = Primitive("ls_attention_on_platform")
 _on_platform_p.multiple_results = True

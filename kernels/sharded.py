@@ -34,9 +34,14 @@ one branch per distinct slice); the logit statistic ``max_abs_logit`` [Hq] is re
 ``pmax`` over the batch axes and laid out over the head axes, so the caller sees the same [Hq]
 vector as without a mesh.
 
-Refused with one line: a sequence (T) or head-dim (D) axis split over devices (a split sequence
-needs a ring schedule, which this op does not have; reshard q, k, v to ``P(batch, None, heads,
-None)``), and head shards that do not divide both the query and the kv heads.
+Refused with one line (Explicit axes, ``partition_spec``): a sequence (T) or head-dim (D) axis
+split over devices (a split sequence needs a ring schedule, which this op does not have;
+reshard q, k, v to ``P(batch, None, heads, None)``), and head shards that do not divide both
+the query and the kv heads. On Auto axes XLA chose the split, and an error raised in its
+partitioner reaches the caller inside a long compile traceback: the op takes such a dimension
+whole instead (XLA gathers it) and says so in one ``ShardingWarning`` line (``auto_layout``).
+One kv head (MQA) keeps the query heads whole on Auto axes. Under ``jax.vmap`` the mapped axis
+is one more batch dimension of the op, split as XLA splits it.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import contextlib
 
 import jax
 
-from ls_jax.kernels.dispatch import exporting_for
+from ls_jax.kernels.platform_call import exporting_for
 
 __all__ = ["KERNEL_CUSTOM_CALLS", "export"]
 

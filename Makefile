@@ -21,7 +21,8 @@ JAX_NEXT ?= 0.12.0.1
 VENV_NEXT ?= .venv-jax-next
 NEXT_TESTS ?= tests/test_reference.py tests/test_api_validation.py tests/test_dispatch.py \
 	tests/test_directional.py tests/test_model.py tests/test_attention_fn.py tests/test_linen.py \
-	tests/test_partitioning.py tests/test_x64.py tests/test_export.py tests/test_tpu_export.py
+	tests/test_partitioning.py tests/test_x64.py tests/test_export.py tests/test_tpu_export.py \
+	tests/test_library_use.py tests/test_typing.py
 
 .PHONY: venv train eval sample test test-all test-jax-next bench clean help
 

@@ -6,7 +6,8 @@ cuDNN for the global heads, "pallas_gpu" for the local ones). The band rule live
 ``kernels/band.py``, the choice of ``implementation=None`` in ``kernels/dispatch.py`` (a call
 that nothing differentiates may run another backend than a differentiated one:
 ``kernels/directional.py``), the entry point, validation and the shape-letter legend in
-``kernels/api.py``, one call per shard on sharded inputs in ``kernels/sharded.py``.
+``kernels/api.py``, one call per shard on sharded inputs in ``kernels/sharded.py``, forward-mode
+autodiff in ``kernels/forward_mode.py``.
 """
 
 from ls_jax.kernels.api import (

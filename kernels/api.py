@@ -37,7 +37,8 @@ runs once per shard, the batch and the heads split: ``kernels/sharded.py``.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+import functools
+from typing import Any, Literal, NamedTuple, Sequence, overload
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +56,15 @@ from ls_jax.kernels.dispatch import (
     choose_primal_implementation,
     current_platform,
 )
+from ls_jax.kernels.forward_mode import with_forward_mode
 from ls_jax.kernels.heads import kv_group_size
+from ls_jax.kernels.platform_call import export_platforms
 from ls_jax.kernels.reference import default_scale
 from ls_jax.kernels.sharded import Call, attention, register_backend_lookup
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# float64 (under jax_enable_x64): the reference alone computes in it; the kernels do not
+REFERENCE_DTYPES = SUPPORTED_DTYPES + (jnp.float64,)
 
 __all__ = ["DEFAULT_IMPLEMENTATION", "IMPLEMENTATIONS", "LogitStats", "default_implementation",
            "get_backend", "ls_attention", "normalize_window_sizes", "validate_inputs"]
@@ -108,9 +113,10 @@ def validate_inputs(q, k, v, window_sizes, segment_ids, scale) -> tuple[WindowSi
         if x.ndim != 4:
             raise ValueError(
                 f"{name}: expected rank 4 [B, T, H, D], got rank {x.ndim} with shape {tuple(x.shape)}")
-        if x.dtype not in SUPPORTED_DTYPES:
+        if x.dtype not in REFERENCE_DTYPES:
             raise ValueError(
-                f"{name}: expected dtype float32, bfloat16 or float16, got {x.dtype}")
+                f"{name}: expected dtype float32, bfloat16, float16 (or float64 with "
+                f"implementation='reference'), got {x.dtype}")
     B, T, H, D = q.shape
     if k.shape != v.shape:
         raise ValueError(f"k and v: expected the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
@@ -140,6 +146,11 @@ def validate_inputs(q, k, v, window_sizes, segment_ids, scale) -> tuple[WindowSi
     return windows, float(scale)
 
 
+# backends that call JAX's cuDNN attention (kernels/cudnn.py, kernels/split.py), which lowers
+# for CUDA alone: a program exported for several platforms runs "pallas_gpu" in their place
+JAX_KERNELS = ("cudnn", "split")
+
+
 # implementation=None chooses for the platform of the machine that traces the call; a program
 # lowered for another platform (jax.export(..., platforms=...)) would run that choice there (the
 # dense reference on a GPU, say). An identity on q whose lowering checks the platforms refuses
@@ -158,7 +169,8 @@ def _platform_guard_lowering(ctx, x, *, traced_on: str, chosen: str):
         raise ValueError(
             f"implementation: None chose {chosen!r} for {traced_on!r}, the platform of the "
             f"machine that traced the call, but the program is lowered for {tuple(others)!r}; "
-            "pass implementation= explicitly (e.g. 'pallas_gpu' for cuda, 'pallas_tpu' for tpu)")
+            "export with ls_jax.export.export (it chooses per platform) or pass "
+            "implementation= explicitly (e.g. 'pallas_gpu' for cuda, 'pallas_tpu' for tpu)")
     return [x]
 
 
@@ -195,9 +207,42 @@ def get_backend(implementation: str):
 register_backend_lookup(lambda name: get_backend(name))  # read per call: tests replace it
 
 
-def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
-                 return_logit_stats=False, implementation=None, interpret=False,
-                 partition_spec=None):
+# the argument types of ls_attention (its overloads differ in return_logit_stats alone)
+ArrayIn = jax.Array | np.ndarray
+Implementation = Literal["reference", "cudnn", "pallas_gpu", "pallas_tpu", "split"]
+
+
+@overload
+def ls_attention(q: ArrayIn, k: ArrayIn, v: ArrayIn, window_sizes: Sequence[int | None], *,
+                 segment_ids: ArrayIn | None = None, scale: float | None = None,
+                 return_logit_stats: Literal[False] = False,
+                 implementation: Implementation | None = None, interpret: Any = False,
+                 partition_spec: jax.sharding.PartitionSpec | None = None) -> jax.Array: ...
+
+
+@overload
+def ls_attention(q: ArrayIn, k: ArrayIn, v: ArrayIn, window_sizes: Sequence[int | None], *,
+                 segment_ids: ArrayIn | None = None, scale: float | None = None,
+                 return_logit_stats: Literal[True],
+                 implementation: Implementation | None = None, interpret: Any = False,
+                 partition_spec: jax.sharding.PartitionSpec | None = None
+                 ) -> tuple[jax.Array, LogitStats]: ...
+
+
+@overload
+def ls_attention(q: ArrayIn, k: ArrayIn, v: ArrayIn, window_sizes: Sequence[int | None], *,
+                 segment_ids: ArrayIn | None = None, scale: float | None = None,
+                 return_logit_stats: bool = False,
+                 implementation: Implementation | None = None, interpret: Any = False,
+                 partition_spec: jax.sharding.PartitionSpec | None = None
+                 ) -> jax.Array | tuple[jax.Array, LogitStats]: ...
+
+
+def ls_attention(q: ArrayIn, k: ArrayIn, v: ArrayIn, window_sizes: Sequence[int | None], *,
+                 segment_ids: ArrayIn | None = None, scale: float | None = None,
+                 return_logit_stats: bool = False, implementation: str | None = None,
+                 interpret: Any = False, partition_spec: jax.sharding.PartitionSpec | None = None
+                 ) -> jax.Array | tuple[jax.Array, LogitStats]:
     """Causal attention with a window per query head (LS-attention), in one call for all heads.
 
     Window semantics, side by side (p an int >= 1):
@@ -212,10 +257,16 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
     Sharded inputs: under ``jax.jit`` with q, k, v split over mesh axes (of any names) along
     the batch and/or the heads, the backend runs once per shard, forward and backward, with
     no gather of q, k, v, the output or their gradients, and each head shard with its own
-    windows (``kernels/sharded.py``); a split sequence (T) or head dimension (D) is refused.
+    windows (``kernels/sharded.py``); a split sequence (T) or head dimension (D) is refused
+    (on Auto axes: taken whole, with a one-line warning).
+
+    Forward-mode autodiff (``jax.jvp``, ``jax.jacfwd``, Hessian-vector products) computes its
+    tangents with the reference (dense logits); reverse mode runs the backend's backward
+    (``kernels/forward_mode.py``).
 
     Args:
-      q: [B, T, Hq, D] queries (float32, bfloat16 or float16).
+      q: [B, T, Hq, D] queries (float32, bfloat16 or float16; float64 with
+        implementation="reference", under ``jax_enable_x64``).
       k, v: [B, T, Hkv, D] keys and values, Hkv divides Hq (GQA: query head h reads kv head
         h // (Hq // Hkv)).
       window_sizes: length-Hq tuple; an int p >= 1 makes head h local, None makes it global
@@ -227,7 +278,8 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
         ``kernels/dispatch.py``; where the fastest forward alone is another backend, a call
         that nothing differentiates runs that one, ``kernels/directional.py``; the platform is
         the tracing machine's, and lowering the call for another, as
-        ``jax.export(..., platforms=...)`` can, is refused), "reference",
+        ``jax.export(..., platforms=...)`` can, is refused; ``ls_jax.export.export`` chooses
+        for each platform it exports for), "reference",
         "cudnn", "pallas_gpu", "pallas_tpu" or "split" (cuDNN for the global heads,
         "pallas_gpu" for the local ones).
       interpret: run a Pallas backend in Pallas interpret mode (on CPU); for "split" its local
@@ -244,7 +296,13 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
       [B, T, Hq, D] in q's dtype, or ``(out, LogitStats)`` with ``return_logit_stats=True``.
     """
     windows, scale = validate_inputs(q, k, v, window_sizes, segment_ids, scale)
-    primal = implementation
+    if partition_spec is not None and not isinstance(partition_spec, jax.sharding.PartitionSpec):
+        raise ValueError(
+            "partition_spec: expected None or a jax.sharding.PartitionSpec, got "
+            f"{type(partition_spec).__name__}")
+    run = functools.partial(_run, windows=windows, scale=scale, segment_ids=segment_ids,
+                            logit_stats=bool(return_logit_stats), interpret=interpret,
+                            partition_spec=partition_spec)
     if implementation is None:
         if interpret:
             raise ValueError(
@@ -253,25 +311,56 @@ def ls_attention(q, k, v, window_sizes, *, segment_ids=None, scale=None,
         B, T, H, D = q.shape
         case = dict(window_sizes=windows, seq_len=T, head_dim=D, dtype=q.dtype,
                     has_segments=segment_ids is not None, return_logit_stats=return_logit_stats)
-        implementation = choose_implementation(**case)
-        primal = choose_primal_implementation(**case)
-        q = _platform_guard_p.bind(q, traced_on=current_platform(), chosen=implementation)
-    elif interpret and implementation not in INTERPRET_IMPLEMENTATIONS:
-        raise ValueError(
-            "interpret: only the Pallas backends and 'split' (its local heads), "
-            f"{INTERPRET_IMPLEMENTATIONS}, have an interpret mode; got interpret={interpret!r} "
-            f"with implementation={implementation!r}")
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation: expected None or one of {IMPLEMENTATIONS}, got {implementation!r}")
-    call = Call(primal=primal, differentiated=implementation, windows=windows, scale=scale,
-                logit_stats=bool(return_logit_stats), has_segments=segment_ids is not None,
-                interpret=interpret)
-    if partition_spec is not None and not isinstance(partition_spec, jax.sharding.PartitionSpec):
-        raise ValueError(
-            "partition_spec: expected None or a jax.sharding.PartitionSpec, got "
-            f"{type(partition_spec).__name__}")
-    out, max_abs_logit = attention(call, q, k, v, segment_ids, partition_spec)
+        platforms = export_platforms()
+        if platforms is None:  # the tracing machine's platform
+            implementation = choose_implementation(**case)
+            q = _platform_guard_p.bind(q, traced_on=current_platform(), chosen=implementation)
+            out, max_abs_logit = run(choose_primal_implementation(**case), implementation,
+                                     q, k, v)
+        else:  # one branch per platform of the export, each lowered for its own
+            def pallas_where_several(name):  # cuDNN's calls lower for one platform alone
+                return "pallas_gpu" if len(platforms) > 1 and name in JAX_KERNELS else name
+
+            branches = {p: functools.partial(
+                run, pallas_where_several(choose_primal_implementation(p, **case)),
+                pallas_where_several(choose_implementation(p, **case))) for p in platforms}
+            out, max_abs_logit = (branches[platforms[0]](q, k, v) if len(platforms) == 1
+                                  else jax.lax.platform_dependent(q, k, v, **branches))
+    else:
+        if interpret and implementation not in INTERPRET_IMPLEMENTATIONS:
+            raise ValueError(
+                "interpret: only the Pallas backends and 'split' (its local heads), "
+                f"{INTERPRET_IMPLEMENTATIONS}, have an interpret mode; got "
+                f"interpret={interpret!r} with implementation={implementation!r}")
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation: expected None or one of {IMPLEMENTATIONS}, "
+                             f"got {implementation!r}")
+        out, max_abs_logit = run(implementation, implementation, q, k, v)
     if not return_logit_stats:
         return out
     return out, LogitStats(max_abs_logit=jax.lax.stop_gradient(max_abs_logit.astype(jnp.float32)))
+
+
+def _run(primal: str, differentiated: str, q, k, v, *, windows: WindowSizes, scale: float,
+         segment_ids, logit_stats: bool, interpret, partition_spec):
+    """(out, max_abs_logit or None) of validated inputs with the ``primal`` backend where
+    nothing differentiates the call and ``differentiated`` where something does (forward or
+    reverse mode: ``kernels/forward_mode.py``)."""
+    if q.dtype not in SUPPORTED_DTYPES and (primal, differentiated) != ("reference",) * 2:
+        raise ValueError(
+            f"q: float64 is computed by implementation='reference' alone, got implementation="
+            f"{differentiated!r}; cast q, k, v to float32 or pass implementation='reference'")
+    call = Call(primal=primal, differentiated=differentiated, windows=windows, scale=scale,
+                logit_stats=logit_stats, has_segments=segment_ids is not None,
+                interpret=interpret)
+    as_differentiated = call._replace(primal=differentiated)
+
+    def reference(q, k, v, segment_ids):
+        from ls_jax.kernels.reference import reference_backend
+        return reference_backend(q, k, v, window_sizes=windows, segment_ids=segment_ids,
+                                 scale=scale, return_logit_stats=False, interpret=False)[0]
+
+    return with_forward_mode(
+        lambda *a: attention(call, *a, partition_spec),
+        lambda *a: attention(as_differentiated, *a, partition_spec), reference,
+        q, k, v, segment_ids)

@@ -1,7 +1,8 @@
 """Pure-JAX twin of the LS-attention kernels: the oracle for tests and the CPU path.
 
 It materialises the [B, H, T, S] logits, so it is meant for checking and for small T. All
-arithmetic is float32 (matmuls at HIGHEST precision); the output is cast to q's dtype. Which
+arithmetic is float32 (matmuls at HIGHEST precision), float64 for float64 inputs (the one
+backend that takes them, under ``jax_enable_x64``); the output is cast to q's dtype. Which
 pairs are allowed comes from ``kernels.band`` (shape letters: ``kernels/api.py``).
 """
 
@@ -38,12 +39,17 @@ def repeat_kv(x_BxSxGxD: jax.Array, num_q_heads: int) -> jax.Array:
     return jnp.repeat(x_BxSxGxD, num_q_heads // x_BxSxGxD.shape[2], axis=2)
 
 
+def compute_dtype(dtype):
+    """The arithmetic's dtype: float32, or float64 for float64 inputs."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def scaled_logits(q_BxTxHxD, k_BxSxGxD, scale: float) -> jax.Array:
-    """float32 [B, H, T, S] pre-softmax logits ``scale * q_i . k_j``."""
+    """float32 (float64 for float64 q) [B, H, T, S] pre-softmax logits ``scale * q_i . k_j``."""
+    acc = compute_dtype(q_BxTxHxD.dtype)
     k_BxSxHxD = repeat_kv(k_BxSxGxD, q_BxTxHxD.shape[2])
     return scale * jnp.einsum(
-        "bthd,bshd->bhts", q_BxTxHxD.astype(jnp.float32), k_BxSxHxD.astype(jnp.float32),
-        precision=_HIGHEST)
+        "bthd,bshd->bhts", q_BxTxHxD.astype(acc), k_BxSxHxD.astype(acc), precision=_HIGHEST)
 
 
 def reference_attention_parts(q, k, v, window_sizes: WindowSizes, segment_ids=None,
@@ -61,7 +67,7 @@ def reference_attention_parts(q, k, v, window_sizes: WindowSizes, segment_ids=No
     masked_BxHxTxS = jnp.where(mask_BxHxTxS, logits_BxHxTxS, -jnp.inf)
     lse_BxHxT = jax.nn.logsumexp(masked_BxHxTxS, axis=-1)
     probs_BxHxTxS = jnp.where(mask_BxHxTxS, jnp.exp(masked_BxHxTxS - lse_BxHxT[..., None]), 0.0)
-    v_BxSxHxD = repeat_kv(v, H).astype(jnp.float32)
+    v_BxSxHxD = repeat_kv(v, H).astype(compute_dtype(q.dtype))
     out_BxTxHxD = jnp.einsum("bhts,bshd->bthd", probs_BxHxTxS, v_BxSxHxD, precision=_HIGHEST)
     max_abs_H = jnp.max(jnp.where(mask_BxHxTxS, jnp.abs(logits_BxHxTxS), 0.0), axis=(0, 2, 3))
     return out_BxTxHxD.astype(q.dtype), lse_BxHxT, jax.lax.stop_gradient(max_abs_H)

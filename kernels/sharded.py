@@ -34,9 +34,14 @@ one branch per distinct slice); the logit statistic ``max_abs_logit`` [Hq] is re
 ``pmax`` over the batch axes and laid out over the head axes, so the caller sees the same [Hq]
 vector as without a mesh.
 
-Refused with one line: a sequence (T) or head-dim (D) axis split over devices (a split sequence
-needs a ring schedule, which this op does not have; reshard q, k, v to ``P(batch, None, heads,
-None)``), and head shards that do not divide both the query and the kv heads.
+Refused with one line (Explicit axes, ``partition_spec``): a sequence (T) or head-dim (D) axis
+split over devices (a split sequence needs a ring schedule, which this op does not have;
+reshard q, k, v to ``P(batch, None, heads, None)``), and head shards that do not divide both
+the query and the kv heads. On Auto axes XLA chose the split, and an error raised in its
+partitioner reaches the caller inside a long compile traceback: the op takes such a dimension
+whole instead (XLA gathers it) and says so in one ``ShardingWarning`` line (``auto_layout``).
+One kv head (MQA) keeps the query heads whole on Auto axes. Under ``jax.vmap`` the mapped axis
+is one more batch dimension of the op, split as XLA splits it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -78,27 +84,37 @@ class Call(NamedTuple):
 
 
 class Layout(NamedTuple):
-    """The mesh axes a call splits its batch over and its heads over (each possibly ())."""
+    """The mesh axes a call splits its batch over and its heads over (each possibly ()).
+
+    ``lead``: where the arrays have several leading batch dimensions (the op under
+    ``jax.vmap``: [*L, T, H, D]), the axes of each; None: one batch dimension split over
+    ``batch``."""
 
     batch: tuple[str, ...]
     heads: tuple[str, ...]
+    lead: tuple[tuple[str, ...], ...] | None = None
 
     def entry(self, axes):
         return None if not axes else axes[0] if len(axes) == 1 else axes
 
     @property
+    def leading(self) -> tuple:
+        lead = (self.batch,) if self.lead is None else self.lead
+        return tuple(self.entry(a) for a in lead)
+
+    @property
     def qkv(self) -> P:
         """[B, T, H, D] arrays: q, k, v, the output and their gradients."""
-        return P(self.entry(self.batch), None, self.entry(self.heads), None)
+        return P(*self.leading, None, self.entry(self.heads), None)
 
     @property
     def segments(self) -> P:
-        return P(self.entry(self.batch), None)
+        return P(*self.leading, None)
 
     @property
     def rows(self) -> P:
         """[B, H, T]: the backend's row statistic."""
-        return P(self.entry(self.batch), self.entry(self.heads), None)
+        return P(*self.leading, self.entry(self.heads), None)
 
     @property
     def stats(self) -> P:
@@ -246,7 +262,14 @@ class _Op(NamedTuple):
 
 
 def _run_op(op: _Op, *arrays):
-    """The op's computation on whole arrays (per shard: the shard's arrays and windows)."""
+    """The op's computation on whole arrays (per shard: the shard's arrays and windows);
+    arrays with several leading batch dimensions (``jax.vmap``) run as one batch."""
+    lead = arrays[0].shape[:-3]
+    if len(lead) != 1:
+        n = len(lead)
+        outs = _run_op(op, *(x.reshape((-1,) + x.shape[n:]) for x in arrays))
+        return tuple(y if i == op.stats_at else y.reshape(lead + y.shape[1:])
+                     for i, y in enumerate(outs))
     call = op.call
     n_in = 4 if call.has_segments else 3
     q, k, v = arrays[:3]
@@ -280,20 +303,60 @@ def _op_impl(op: _Op, *arrays):
 
 def _sharding_rule(op: _Op, mesh, value_types, result_types):
     del mesh, result_types
-    H, G = value_types[0].shape[2], value_types[1].shape[2]
-    heads = CompoundFactor("g", "r") if H != G else "g"  # query head h reads kv head h // r
-    q = ArrayMapping("b", "t", heads, "d")
-    kv = ArrayMapping("b", "s", "g", "d")
-    rows = ArrayMapping("b", heads, "t")
-    inputs = [q, kv, kv] + ([ArrayMapping("b", "t")] if op.call.has_segments else [])
+    n_lead = len(value_types[0].shape) - 3  # batch dimensions (more than one under jax.vmap)
+    b = tuple(f"b{i}" for i in range(n_lead))
+    H, G = value_types[0].shape[-2], value_types[1].shape[-2]
+    # query head h reads kv head h // r; one kv head (MQA): the query heads stay whole (the
+    # head shards must divide the kv heads), and a factor of size 1 cannot be compounded
+    heads = "g" if H == G else "r" if G == 1 else CompoundFactor("g", "r")
+    q = ArrayMapping(*b, "t", heads, "d")
+    kv = ArrayMapping(*b, "s", "g", "d")
+    rows = ArrayMapping(*b, heads, "t")
+    inputs = [q, kv, kv] + ([ArrayMapping(*b, "t")] if op.call.has_segments else [])
     if op.role == "backward":
         inputs += ([q, rows] if op.saves_rows else []) + [q]
         outputs = [q, kv, kv]
     else:
         outputs = [q] + ([ArrayMapping(heads)] if op.call.logit_stats else [])
         outputs += [rows] if op.role == "forward" and op.saves_rows else []
-    sizes = {"r": H // G} if H != G else {}
-    return SdyShardingRule(tuple(inputs), tuple(outputs), **sizes)
+    sizes = {"r": H // G} if H != G and G != 1 else {}
+    replicated = ("r",) if G == 1 and H != G else ()
+    return SdyShardingRule(tuple(inputs), tuple(outputs), need_replication_factors=replicated,
+                           **sizes)
+
+
+class ShardingWarning(UserWarning):
+    """XLA's sharding propagation (Auto axes) split a dimension that ``ls_attention`` does not
+    split per shard; the op takes it whole (XLA gathers it)."""
+
+
+def auto_layout(axis_sizes: dict, spec, q_shape, kv_heads: int) -> tuple[Layout, list[str]]:
+    """The ``Layout`` of a custom-partitioned op whose q XLA sharded as ``spec`` (Auto axes:
+    XLA chose it): what ``layout_of`` refuses is taken whole instead, with one line each
+    (the sequence or the head dimension split, head shards that do not divide both head
+    counts, batch shards that do not divide a batch dimension)."""
+    n_lead = len(q_shape) - 3
+    spec = tuple(spec) + (None,) * (len(q_shape) - len(tuple(spec)))
+    lead = [_axes(e) for e in spec[:n_lead]]
+    seq, heads, dim = (_axes(e) for e in spec[n_lead:])
+    T, H, D = q_shape[n_lead:]
+    notes = []
+    for what, axes in ((f"the sequence axis (T={T})", seq), (f"the head dimension (D={D})", dim)):
+        if axes:
+            notes.append(f"q: sharded along {what} over mesh axes {axes}")
+    for i, axes in enumerate(lead):
+        n = math.prod(axis_sizes[a] for a in axes)
+        if q_shape[i] % n:
+            notes.append(f"q: batch {q_shape[i]} not divisible by the {n} shards of mesh axes "
+                         f"{axes}")
+            lead[i] = ()
+    n_heads = math.prod(axis_sizes[a] for a in heads)
+    if H % n_heads or kv_heads % n_heads:
+        notes.append(f"q: query heads ({H}) and key/value heads ({kv_heads}) not divisible "
+                     f"by the {n_heads} shards of mesh axes {heads}")
+        heads = ()
+    batch = tuple(a for axes in lead for a in axes)
+    return Layout(batch, heads, tuple(lead) if n_lead != 1 else None), notes
 
 
 def _partition(op: _Op, mesh, arg_shapes, result_shape):
@@ -304,7 +367,14 @@ def _partition(op: _Op, mesh, arg_shapes, result_shape):
         raise ValueError(
             "q: ls_attention on several devices needs NamedSharding inputs or a mesh set with "
             f"jax.set_mesh, got {type(sharding).__name__}")
-    layout = layout_of(dict(mesh.shape), sharding.spec, q.shape, k.shape[2])
+    # An error raised here reaches the caller inside XLA's compile error (a long traceback),
+    # so what the op does not split is taken whole, with a warning of one line.
+    layout, notes = auto_layout(dict(mesh.shape), sharding.spec, q.shape, k.shape[-2])
+    if notes and op.role != "backward":
+        warnings.warn(
+            "; ".join(notes) + ": ls_attention splits only the batch and the heads and takes "
+            "the rest whole (XLA gathers it); shard q, k, v as P(batch_axes, None, head_axes, "
+            "None)", ShardingWarning, stacklevel=2)
     call = op.call
     ins = [layout.qkv] * 3 + ([layout.segments] if call.has_segments else [])
     if op.role == "backward":
@@ -339,9 +409,10 @@ def _apply(op: _Op, *arrays):
                 "statistic is a max over the batch); call ls_attention on the whole batch")
         arrays = [x if b else jnp.broadcast_to(x, (axis_size,) + x.shape)
                   for x, b in zip(arrays, in_batched)]
-        outs = _apply(op, *(x.reshape((-1,) + x.shape[2:]) for x in arrays))
-        return (tuple(y.reshape((axis_size, -1) + y.shape[1:]) for y in outs),
-                (True,) * len(outs))
+        # the mapped axis is one more batch dimension of the op (its own sharding factor), so
+        # that XLA keeps the sharding of either, whichever is split
+        outs = _apply(op, *arrays)
+        return tuple(outs), (True,) * len(outs)
 
     return apply(*arrays)
 

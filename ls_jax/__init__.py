@@ -10,6 +10,18 @@ does not pull in Flax and no import order between the subpackages matters.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what a type checker sees of the names that _EXPORTS imports on first use
+    from ls_jax.attention import LSAttention as LSAttention
+    from ls_jax.config import Config as Config
+    from ls_jax.config import DataConfig as DataConfig
+    from ls_jax.config import ModelConfig as ModelConfig
+    from ls_jax.config import TrainConfig as TrainConfig
+    from ls_jax.config import layer_window_sizes as layer_window_sizes
+    from ls_jax.kernels import LogitStats as LogitStats
+    from ls_jax.kernels import ls_attention as ls_attention
+    from ls_jax.model import Transformer as Transformer
 
 _EXPORTS = {
     "Config": "ls_jax.config",

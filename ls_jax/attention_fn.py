@@ -89,6 +89,18 @@ def make_attention_fn(window_sizes: Sequence[int | None], implementation: str | 
         # force_fp32_for_softmax and broadcast_dropout need nothing: the softmax is always
         # float32 inside the kernels, and no dropout is applied.
         del force_fp32_for_softmax, broadcast_dropout, dropout_rng
+        # the shapes first: a decode cache (nnx.MultiHeadAttention(decode=True)) also comes
+        # with is_causal=False and a mask, which would otherwise be named as the cause
+        if query.ndim < 3:
+            raise ValueError(
+                f"query: expected shape [batch..., T, heads, head_dim], got {tuple(query.shape)}")
+        if key.shape[-3] != query.shape[-3] or value.shape[-3] != query.shape[-3]:
+            raise ValueError(
+                f"key/value: expected the query's length T={query.shape[-3]} (causal "
+                f"self-attention over the whole sequence), got key {tuple(key.shape)}, value "
+                f"{tuple(value.shape)}: a decode cache (decode=True) is not supported by this "
+                "attention_fn; call the layer with decode=False, or decode with "
+                "ls_jax.LSAttention and its KV cache (ls_jax.generate)")
         if not is_causal:
             raise ValueError(
                 "is_causal: expected True (this attention_fn is causal LS-attention; call "
@@ -116,13 +128,6 @@ def make_attention_fn(window_sizes: Sequence[int | None], implementation: str | 
             raise ValueError(
                 f"precision: expected None or the default (the kernels choose their own matmul "
                 f"precision), got {precision!r}")
-        if query.ndim < 3:
-            raise ValueError(
-                f"query: expected shape [batch..., T, heads, head_dim], got {tuple(query.shape)}")
-        if key.shape[-3] != query.shape[-3] or value.shape[-3] != query.shape[-3]:
-            raise ValueError(
-                f"key/value: expected the query's length T={query.shape[-3]} (self-attention, "
-                f"no decode cache), got key {tuple(key.shape)}, value {tuple(value.shape)}")
         T = query.shape[-3]
         if mask is not None:
             _check_causal_mask(mask, T)

@@ -19,10 +19,13 @@ What it adds to ``jax.export.export``:
   kernels' ``tpu_custom_call`` and Mosaic GPU's ``mosaic_gpu_v2`` are kept), so such an
   export runs on the same JAX/jaxlib version only.
 
-Name the backend (``implementation="pallas_gpu"`` / ``"pallas_tpu"``, or the model config's
-``attn_implementation``) when exporting for another platform than the machine's:
-``implementation=None`` chooses for the machine that traces, and lowering that choice for
-another platform is refused with one line (``kernels/api.py``).
+* ``implementation=None`` chooses the backend of each platform in ``platforms``: one
+  ``jax.lax.platform_dependent`` branch each, its kernels lowered for their own platform
+  (``kernels/platform_call.py``), so that one export for ``platforms=("cpu", "cuda", "tpu")``
+  runs the reference on a CPU and our kernels on a GPU or a TPU ("pallas_gpu" where the GPU's
+  choice alone would be cuDNN's, whose call lowers for CUDA only). Under
+  ``jax.export.export`` itself, ``implementation=None`` chooses for the machine that traces,
+  and lowering that choice for another platform is refused with one line (``kernels/api.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from __future__ import annotations
 import contextlib
 
 import jax
+
+from ls_jax.kernels.platform_call import exporting_for
 
 __all__ = ["KERNEL_CUSTOM_CALLS", "export"]
 
@@ -62,7 +67,7 @@ def export(fn, *, platforms, gpu: str | None = None, disabled_checks=()):
             mesh = jax.sharding.AbstractMesh((1,), ("_",), (jax.sharding.AxisType.Explicit,),
                                              abstract_device=device)
             context = jax.sharding.use_abstract_mesh(mesh)
-        with context:
+        with context, exporting_for(platforms):
             return exporter(*args, **kwargs)
 
     return run

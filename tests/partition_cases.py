@@ -128,20 +128,32 @@ def _vmap():
 
 def case_refused(axis_type: str):
     """A sequence-sharded q, and head shards that do not divide the kv heads (k, v
-    replicated): one line each."""
+    replicated): the error (Explicit axes) or the ShardingWarnings (Auto axes: the op takes
+    them whole), and the largest difference from the call on one device where it ran."""
+    import warnings
+
     from ls_jax.kernels import ls_attention
+    from ls_jax.kernels.sharded import ShardingWarning
     q, k, v, _, _ = _inputs(2, False)
     mesh = jax.make_mesh((2, 4), ("rows", "cols"), axis_types=(getattr(AxisType, axis_type),) * 2)
+
+    def attend(q, k, v):
+        return ls_attention(q, k, v, (None, 3, 8, 16), implementation="reference")
+
+    want = attend(q, k, v)
     out = {}
     for name, spec in (("sequence", P(None, "rows")), ("kv_heads", P(None, None, "cols"))):
         args = [jax.device_put(q, NamedSharding(mesh, spec)), k, v]
-        try:
-            with jax.set_mesh(mesh):
-                jax.jit(lambda q, k, v: ls_attention(q, k, v, (None, 3, 8, 16),
-                                                     implementation="reference"))(*args)
-            out[name] = "ran"
-        except Exception as e:  # noqa: BLE001 - the message is what the test checks
-            out[name] = str(e)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with jax.set_mesh(mesh):
+                    got = jax.jit(attend)(*args)
+                out[name] = {"ran": float(jnp.max(jnp.abs(got - want)))}
+            except Exception as e:  # noqa: BLE001 - the message is what the test checks
+                out[name] = {"error": str(e)}
+        out[name]["warnings"] = [str(w.message) for w in caught
+                                 if issubclass(w.category, ShardingWarning)]
     return out
 
 

@@ -24,7 +24,8 @@ W = (None, 3, 3, 3)
     ((q, kv, kv, (None, 0, 3, 3)), {}, r"window_sizes\[1\]: expected an int >= 1 or None, got 0"),
     ((q, kv, kv, (None, 2.5, 3, 3)), {}, r"window_sizes\[1\]: expected an int >= 1 or None, got 2.5"),
     ((q, kv, kv, 5), {}, r"window_sizes: expected a tuple of 4 entries"),
-    ((q.astype(jnp.int32), kv, kv, W), {}, r"q: expected dtype float32, bfloat16 or float16, got int32"),
+    ((q.astype(jnp.int32), kv, kv, W), {}, r"q: expected dtype float32, bfloat16, float16 \(or float64 with "
+     r"implementation=.reference.\), got int32"),
     ((q, kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16), W), {}, r"q, k, v: expected one dtype"),
     ((q, kv, kv, W), {"segment_ids": jnp.zeros((2, 7), jnp.int32)}, r"segment_ids: expected shape \[B=2, T=8\]"),
     ((q, kv, kv, W), {"segment_ids": jnp.zeros((2, 8))}, r"segment_ids: expected an integer dtype"),

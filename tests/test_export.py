@@ -1,7 +1,8 @@
 """``jax.export`` for "cuda" and "tpu" from this CPU machine (ls_jax/export.py): the op and a
 model lower to our kernels' custom calls (Pallas' Triton/Mosaic lowering runs; the GPU/TPU
-compilers do not); ``implementation=None`` is refused for another platform than the tracing
-machine's, with one line."""
+compilers do not), also with a symbolic batch; ``implementation=None`` chooses per platform of
+the export (one artifact for several), and under ``jax.export`` itself is refused for another
+platform than the tracing machine's, with one line."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -81,14 +83,65 @@ def test_a_model_lowers_to_our_kernels_once_per_layer(platform):
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"], ids=["to_cuda", "to_tpu"])  # "tpu" alone is a marker name
-def test_implementation_none_is_refused_for_another_platform(platform):
+def test_implementation_none_under_jax_export_is_refused_for_another_platform(platform):
     q = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32)
     f = jax.jit(lambda q: ls_attention(q, q, q, (None, 9)))
     with pytest.raises(ValueError, match=(
             r"implementation: None chose 'reference' for 'cpu', the platform of the machine "
-            rf"that traced the call, but the program is lowered for \('{platform}',\)")):
-        export(f, platforms=(platform,), gpu=GPU)(q)
-    assert export(f, platforms=("cpu",))(q).platforms == ("cpu",)
+            rf"that traced the call, but the program is lowered for \('{platform}',\); "
+            r"export with ls_jax.export.export \(it chooses per platform\)")):
+        jax.export.export(f, platforms=(platform,))(q)
+    assert jax.export.export(f, platforms=("cpu",))(q).platforms == ("cpu",)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"], ids=["to_cuda", "to_tpu"])
+def test_implementation_none_chooses_for_the_export_platform(platform):
+    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+    f = jax.jit(lambda q: ls_attention(q, q, q, (None, 9, 9, 130)))
+    assert _kernel_calls(export(f, platforms=(platform,), gpu=GPU)(q), platform) >= 1
+
+
+@pytest.mark.parametrize("platform,gpu", [("cuda", GPU), ("cuda", "NVIDIA A100-SXM4-80GB"),
+                                          ("tpu", None)],
+                         ids=["to_cuda_hopper", "to_cuda_ampere", "to_tpu"])
+def test_a_symbolic_batch_exports_forward_and_backward(platform, gpu):
+    """One export for every batch size (a serving stack's): the kernels' cost estimates and
+    launch heuristics take a symbolic batch (kernels/pallas_gpu/backend.py,
+    kernels/pallas_tpu/plan.py)."""
+    b, = jax.export.symbolic_shape("b")
+    q = jax.ShapeDtypeStruct((b, 256, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, 256, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = ls_attention(q, k, v, (None, 9, 9, 130), implementation=IMPL[platform])
+        return jnp.sum(out.astype(jnp.float32))
+
+    exported = export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))),
+                      platforms=(platform,), gpu=gpu)(q, kv, kv)
+    assert _kernel_calls(exported, platform) >= 3
+    assert [a.shape for a in exported.out_avals] == [(), q.shape, kv.shape, kv.shape]
+
+
+def test_one_export_for_cpu_cuda_and_tpu_runs_here():
+    """implementation=None under ls_jax.export.export: one artifact holding the reference for
+    CPU and our kernels for CUDA and TPU (a jax.lax.platform_dependent branch each), which
+    runs on this CPU as the call does."""
+    W = (None, 9, 9, 130)
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (2, 256, 4, 64), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (2, 256, 2, 64), jnp.bfloat16) for x in (kk, kv))
+
+    def loss(q, k, v):
+        return jnp.sum(ls_attention(q, k, v, W).astype(jnp.float32))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    exported = export(step, platforms=("cpu", "cuda", "tpu"), gpu=GPU)(q, k, v)
+    assert exported.platforms == ("cpu", "cuda", "tpu")
+    assert _kernel_calls(exported, "cuda") >= 3 and _kernel_calls(exported, "tpu") >= 3
+    (got_loss, got_grads), (want_loss, want_grads) = exported.call(q, k, v), step(q, k, v)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-4)
+    for a, b in zip(got_grads, want_grads):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_bad_arguments_are_one_line():

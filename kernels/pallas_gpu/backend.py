@@ -145,7 +145,20 @@ def pallas_gpu_attention_parts(q, k, v, window_sizes: WindowSizes, *, segment_id
 
 def pallas_gpu_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_stats,
                        interpret, launches: Launches | None = None):
-    """The "pallas_gpu" backend (``kernels.api.get_backend``)."""
+    """The "pallas_gpu" backend (``kernels.api.get_backend``). A symbolic batch
+    (``jax.export`` with a batch to be named at run time) runs one batch element at a time:
+    the kernels' launch grids count batch elements, and a Pallas GPU grid is static."""
+    if not isinstance(q.shape[0], int):
+        def one(xs):
+            q, k, v, *seg = (x[None] for x in xs)
+            out, stats = pallas_gpu_backend(
+                q, k, v, window_sizes=window_sizes, segment_ids=seg[0] if seg else None,
+                scale=scale, return_logit_stats=return_logit_stats, interpret=interpret,
+                launches=launches)
+            return out[0], stats
+        xs = (q, k, v) + (() if segment_ids is None else (segment_ids,))
+        out, stats = jax.lax.map(one, xs)
+        return out, (None if stats is None else jnp.max(stats, axis=0))
     return pallas_gpu_attention(q, k, v, window_sizes, segment_ids=segment_ids, scale=scale,
                                 return_logit_stats=return_logit_stats, launches=launches,
                                 interpret=interpret)

@@ -165,8 +165,11 @@ def triton_config(case: Case) -> TritonConfig:
 
 
 def _tile_programs(case: Case, num_heads: int, rows: int) -> int:
-    """Programs of a launch over ``num_heads`` heads in tiles of ``rows`` query rows."""
-    return case.batch * num_heads * cdiv(case.seq_len, rows)
+    """Programs of a launch over ``num_heads`` heads in tiles of ``rows`` query rows; a
+    symbolic batch (``jax.export``) counts as its least value, 1, so that a program exported
+    once for every batch is planned for the smallest."""
+    batch = case.batch if isinstance(case.batch, int) else 1
+    return batch * num_heads * cdiv(case.seq_len, rows)
 
 
 def hopper_forward(case: Case, heads: tuple[int, ...]) -> HopperForwardConfig:

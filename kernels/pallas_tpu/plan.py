@@ -50,6 +50,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ls_jax.kernels.band import (WindowSizes, cdiv, effective_windows, is_global,
                                  kv_block_range,
                                  kv_full_block_range, q_block_range, q_full_block_range)
+from ls_jax.kernels.platform_call import on_platform
 
 FIRST = 1
 LAST = 2
@@ -438,15 +439,17 @@ def worklist_call(kernel, plan: AttentionPlan, worklist: WorkList, *, in_specs, 
                               out_shape)
         tile = plan.block_q * plan.block_k
         tiles = batch * worklist.active_steps
-        cost = pl.CostEstimate(
-            flops=tiles * matmuls_per_tile * 2 * tile * plan.head_dim_padded,
-            transcendentals=tiles * tile,
-            bytes_accessed=sum(x.size * x.dtype.itemsize
-                               for x in (*operands, *jax.tree.leaves(shapes))))
-        return pl.pallas_call(body, grid_spec=grid_spec, out_shape=shapes,
+        cost = None  # a symbolic batch (jax.export): no estimate, whose fields are ints
+        if isinstance(batch, int):
+            cost = pl.CostEstimate(
+                flops=tiles * matmuls_per_tile * 2 * tile * plan.head_dim_padded,
+                transcendentals=tiles * tile,
+                bytes_accessed=sum(x.size * x.dtype.itemsize
+                                   for x in (*operands, *jax.tree.leaves(shapes))))
+        return on_platform("tpu", pl.pallas_call(body, grid_spec=grid_spec, out_shape=shapes,
                               compiler_params=params, cost_estimate=cost,
                               interpret=False if plan.interpret is None else plan.interpret,
-                              name=name)(*tables, *operands)
+                              name=name))(*tables, *operands)
 
     @call.def_vmap
     def _call_vmapped(axis_size, in_batched, *operands):

@@ -29,6 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import allowed
 from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE, MAX_FLOOR
+from ls_jax.kernels.platform_call import on_platform
 
 STAGES = 2  # slots of the Hopper forward's and backward's rings: one loading, one in use
 # registers per thread after ``plgpu.set_max_registers``, by number of consumers: the producer
@@ -66,10 +67,12 @@ def launch(body, out_type, *, num_heads: int, num_tiles: int, batch: int, interp
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         extra["interpret"] = InterpretGPUParams()
-    return plgpu.kernel(
+    kernel = plgpu.kernel(
         body, out_type=out_type, grid=(num_heads, num_tiles, batch),
         grid_names=("heads", "tile", "batch"), num_threads=consumers + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), **extra)
+    # a launch without outputs takes refs (run_into), which it wraps whole
+    return on_platform("cuda", kernel) if out_type else kernel
 
 
 def run_into(kernel, inputs, buffers):
@@ -78,7 +81,7 @@ def run_into(kernel, inputs, buffers):
     no copy) and their final values come back, as a tuple."""
     def fill(refs):
         kernel(*inputs, *refs)
-    return pl.run_state(fill)(tuple(buffers))
+    return on_platform("cuda", pl.run_state(fill))(tuple(buffers))
 
 
 def pick(i, values: tuple[int, ...]):

@@ -30,6 +30,7 @@ from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, program_order
 from ls_jax.kernels.pallas_gpu.triton.tiles import (TilePath, allowed_KxQ, allowed_QxK,
                                                     compiler_params, mask_scores,
                                                     run_band_loop)
+from ls_jax.kernels.platform_call import on_platform
 
 
 class _DqProgram:
@@ -208,7 +209,7 @@ def dq_call(plan: AttentionPlan, config: TritonConfig, heads: tuple[int, ...], q
     seg = [] if segment_ids is None else [segment_ids]
     aliased = [] if prefilled is None else [prefilled]
     inputs = (schedule, jnp.asarray(plan.windows, jnp.int32), q, k, v, *seg, do, out, lse2)
-    return tuple(pl.pallas_call(
+    return tuple(on_platform("cuda", pl.pallas_call(
         functools.partial(_dq_kernel, path=path, num_slots=Tp // path.block_q,
                           **_common(plan, q, k, segment_ids, len(aliased))),
         grid=(B, schedule.shape[0]), compiler_params=compiler_params(config),
@@ -216,7 +217,7 @@ def dq_call(plan: AttentionPlan, config: TritonConfig, heads: tuple[int, ...], q
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)],
         input_output_aliases={len(inputs) + i: i for i in range(len(aliased))},
-    )(*inputs, *aliased))
+    ))(*inputs, *aliased))
 
 
 def dkdv_call(plan: AttentionPlan, config: TritonConfig, heads: tuple[int, ...], q, k, v,
@@ -236,7 +237,7 @@ def dkdv_call(plan: AttentionPlan, config: TritonConfig, heads: tuple[int, ...],
     seg = [] if segment_ids is None else [segment_ids]
     aliased = [] if prefilled is None else list(prefilled)
     inputs = (schedule, jnp.asarray(plan.windows, jnp.int32), q, k, v, *seg, do, lse2, delta)
-    return tuple(pl.pallas_call(
+    return tuple(on_platform("cuda", pl.pallas_call(
         functools.partial(_dkdv_kernel, path=path, num_slots=Tp // path.block_k,
                           **_common(plan, q, k, segment_ids, len(aliased))),
         grid=(B, schedule.shape[0]),
@@ -246,4 +247,4 @@ def dkdv_call(plan: AttentionPlan, config: TritonConfig, heads: tuple[int, ...],
         interpret=plan.interpret,
         input_output_aliases={len(inputs) + i: i for i in range(len(aliased))},
         name="ls_attention_bwd_dkdv",
-    )(*inputs, *aliased))
+    ))(*inputs, *aliased))

@@ -24,6 +24,7 @@ from ls_jax.kernels.pallas_gpu.configs import TritonConfig
 from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, program_order
 from ls_jax.kernels.pallas_gpu.triton.tiles import (TilePath, allowed_QxK, compiler_params,
                                                     mask_scores, run_band_loop)
+from ls_jax.kernels.platform_call import on_platform
 
 
 class _ForwardProgram:
@@ -155,7 +156,7 @@ def forward_call(plan: AttentionPlan, config: TritonConfig, heads: tuple[int, ..
     inputs += [] if segment_ids is None else [segment_ids]
     aliases = {len(inputs) + i: i for i in range(len(prefilled))}
     inputs += list(prefilled)
-    outs = pl.pallas_call(
+    outs = on_platform("cuda", pl.pallas_call(
         kernel,
         grid=(B, schedule.shape[0]),
         out_shape=out_shape,
@@ -163,5 +164,5 @@ def forward_call(plan: AttentionPlan, config: TritonConfig, heads: tuple[int, ..
         interpret=plan.interpret,
         input_output_aliases=aliases,
         name="ls_attention_fwd",
-    )(*inputs)
+    ))(*inputs)
     return (outs[0], outs[1], outs[2] if plan.logit_stats else None)

@@ -129,8 +129,8 @@ def train(cfg: Config, workdir: str, *, stop_after_steps: int | None = None,
 
     def stalled_line(name: str) -> str:
         return (f"stopped by {name} while a checkpoint save wrote nothing for "
-                f"{STALLED_SAVE_S:.0f} s (a stalled disk?; the unfinished save is removed on the "
-                f"next start); {last_checkpoint()}; rerun the same command to resume")
+                f"{STALLED_SAVE_S:.0f} s (a hung disk; its unfinished save is removed on the next "
+                f"start); {last_checkpoint()}; rerun the same command to resume")
 
     with _Stopper(stop_after_steps, stop_at_time,
                   exit_with=(second_signal_line, stalled_line) if exit_at_once else None,

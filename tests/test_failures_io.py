@@ -45,7 +45,7 @@ pytestmark = pytest.mark.usefixtures("cli_logging")  # conftest.py: undoes the C
 # /dev/full (every later write of it gets ENOSPC from the kernel, as on a full disk).
 # "fill_disk": then the workdir's filesystem is filled up. "ro_checkpoints": before step 4's
 # save (step 2's committed), checkpoints/ is made unwritable (a read-only bind mount for root, whom permissions do not stop; else
-# chmod). "two_signals": two SIGINTs 50 ms apart while the main thread waits in XLA (as in a
+# chmod). "two_signals": two SIGINTs 0.05 s apart while the main thread waits in XLA (as in a
 # compilation or on a step's results, where the interpreter runs no handler). "stalled_save": step
 # 4's save opens a FIFO nobody reads (blocked in the kernel, as on a hung disk), and SIGTERM.
 DRIVER = textwrap.dedent("""
@@ -114,7 +114,7 @@ DRIVER = textwrap.dedent("""
                 os.kill(os.getpid(), sig)
         threading.Thread(target=run, daemon=True).start()
 
-    if fault == "two_signals":  # at step 3, from another process, 50 ms apart
+    if fault == "two_signals":  # at step 3, from another process, 0.05 s apart
         import jax, jax.numpy as jnp
         real_compile = T.compile_train_fns
 
@@ -309,7 +309,7 @@ def _cpu_load(n=2):
 
 def test_two_signals_while_the_main_thread_waits_in_native_code_stop_at_once(tmp_path,
                                                                             uninterrupted):
-    """Two SIGINTs 50 ms apart while the main thread waits in XLA (where the interpreter's own
+    """Two SIGINTs 0.05 s apart while the main thread waits in XLA (where the interpreter's own
     handler would run once, for both), under CPU load: the second stops the process at once
     with its line; no abort, no traceback."""
     workdir = tmp_path / "run"

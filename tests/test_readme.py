@@ -26,6 +26,8 @@ NOT_RUN = [
      "needs a trained model and prompts"),
     ("docs/usage.md", "jax.make_mesh((2, 2)", "needs 4 devices: tests/partition_cases.py runs it"),
     ("docs/usage.md", "load_model(\"runs/tiny\")", "needs a trained run"),
+    ("docs/library.md", "save_params(model", "needs the user's model: tests/test_library_use.py "
+     "makes the same calls"),
 ]
 
 

@@ -156,10 +156,5 @@ def case_vmap():
 
 
 if __name__ == "__main__":
-    calls = [[]]
-    for arg in sys.argv[1:]:
-        if arg == "+":
-            calls.append([])
-        else:
-            calls[-1].append(arg)
-    print(json.dumps([globals()[f"case_{name}"](*args) for name, *args in calls]), flush=True)
+    from eight_devices import main  # tests/, this script's folder
+    main(globals())

@@ -174,11 +174,5 @@ def case_readme():
 
 
 if __name__ == "__main__":
-    calls = [[]]
-    for arg in sys.argv[1:]:
-        if arg == "+":
-            calls.append([])
-        else:
-            calls[-1].append(arg)
-    results = [globals()[f"case_{name}"](*args) for name, *args in calls]
-    print(json.dumps(results[0] if len(results) == 1 else results), flush=True)
+    from eight_devices import main  # tests/, this script's folder
+    main(globals())

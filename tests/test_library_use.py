@@ -7,12 +7,6 @@ The 8-device cases run in subprocesses (tests/library_cases.py), started togethe
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,31 +18,17 @@ from ls_jax.attention_fn import make_attention_fn
 from ls_jax.kernels import ls_attention
 from ls_jax.kernels.reference import reference_backend
 from ls_jax.weights import load_params, save_params
+from eight_devices import result, start  # tests/, beside this file
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 WINDOWS = (None, 3, 9, 40)
-
-
-def _start(*args) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
-    return subprocess.Popen([sys.executable, str(ROOT / "tests" / "library_cases.py"), *args],
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-
-
-def _result(proc: subprocess.Popen) -> list:
-    out, err = proc.communicate(timeout=900)
-    assert proc.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
 def cases():
-    procs = [_start("kv_heads", "reference", "+", "layer_mqa", "+", "vmap", "+",
+    procs = [start("library_cases.py", "kv_heads", "reference", "+", "layer_mqa", "+", "vmap", "+",
                     "forward_mode", "reference"),
-             _start("forward_mode", "pallas_gpu")]
-    (kv_heads, layer_mqa, vmap, forward_reference), (forward_pallas,) = map(_result, procs)
+             start("library_cases.py", "forward_mode", "pallas_gpu")]
+    (kv_heads, layer_mqa, vmap, forward_reference), (forward_pallas,) = map(result, procs)
     return dict(kv_heads=kv_heads, layer_mqa=layer_mqa, vmap=vmap,
                 forward={"reference": forward_reference, "pallas_gpu": forward_pallas})
 

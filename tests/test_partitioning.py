@@ -8,12 +8,6 @@ checks its own entry."""
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +16,8 @@ import pytest
 from ls_jax.kernels.reference import default_scale
 from ls_jax.kernels.residuals import residual_pair
 from ls_jax.kernels.sharded import Layout, layout_of
+from eight_devices import result, start  # tests/, beside this file
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # the mesh is ("rows": 4, "cols": 2); layouts in tests/partition_cases.py
 COMPARED = [
@@ -39,28 +33,14 @@ GROUPS = [[c for c in COMPARED if c.startswith("reference")],
           [c for c in COMPARED if c.startswith("pallas_tpu")]]
 
 
-def _start(*args) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
-    return subprocess.Popen([sys.executable, str(ROOT / "tests" / "partition_cases.py"),
-                             *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def _result(proc: subprocess.Popen) -> dict:
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def cases():
-    procs = [_start("compare", *group) for group in GROUPS]
+    procs = [start("partition_cases.py", "compare", *group) for group in GROUPS]
     # the short cases in one process: one start-up of JAX for the four
-    procs.append(_start("planted_gather", "+", "refused", "Auto", "+", "refused", "Explicit",
+    procs.append(start("partition_cases.py", "planted_gather", "+", "refused", "Auto", "+", "refused", "Explicit",
                         "+", "readme"))
-    *groups, (planted, refused_auto, refused_explicit, readme) = [_result(p) for p in procs]
-    compared = {k: v for r in groups for k, v in r.items()}
+    *groups, (planted, refused_auto, refused_explicit, readme) = [result(p, 600) for p in procs]
+    compared = {k: v for (r,) in groups for k, v in r.items()}
     return dict(compared=compared, planted=planted, refused_auto=refused_auto,
                 refused_explicit=refused_explicit, readme=readme)
 

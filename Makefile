@@ -56,7 +56,7 @@ eval: venv
 	$(PY) eval.py --checkpoint $(WORKDIR) $(ARGS)
 
 sample: venv
-	$(PY) -m ls_jax.sample --checkpoint $(WORKDIR) --prompt "$(PROMPT)" $(ARGS)
+	$(PY) -m ls_jax.inference.sample --checkpoint $(WORKDIR) --prompt "$(PROMPT)" $(ARGS)
 
 # make test (CI): all but the tests marked slow (more cases of what make test checks, and the
 # longer end-to-end runs); make test-all: every test

@@ -6,7 +6,7 @@ import sys
 
 
 def _stop_outside_the_run(signum, frame):
-    """SIGTERM / Ctrl-C while importing or exiting, outside ``ls_jax.train.train`` (whose own
+    """SIGTERM / Ctrl-C while importing or exiting, outside ``ls_jax.training.train.train`` (whose own
     handlers save what a stop would lose): nothing is in progress, so stop at once, one line."""
     print(f"stopped ({signal.Signals(signum).name}) outside the training loop: nothing to save; "
           f"rerun the same command to resume", flush=True)

@@ -59,9 +59,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ls_jax.config import ModelConfig
-from ls_jax.generate import decode_loop_fn, decode_step_fn, prefill_chunk_fn
+from ls_jax.inference.generate import decode_loop_fn, decode_step_fn, prefill_chunk_fn
 from ls_jax.kernels.decode import choose_decode_implementation
-from ls_jax.model import Transformer, count_params
+from ls_jax.layers.transformer import Transformer, count_params
 
 SHAPES = {  # name: (n_layer, n_head, head_dim, d_model)
     "paper": (6, 6, 32, 192),

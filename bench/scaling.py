@@ -72,9 +72,9 @@ def worker(shape_name: str, shape: dict, mesh_kind: str, steps: int, warmup: int
     from ls_jax.config import MeshConfig, ModelConfig, TrainConfig
     from ls_jax.kernels.band import band_flops
     from ls_jax.kernels.sharded import qkv_gathers
-    from ls_jax.loss import lm_loss
-    from ls_jax.model import Transformer
-    from ls_jax.optimizer import make_optimizer
+    from ls_jax.training.loss import lm_loss
+    from ls_jax.layers.transformer import Transformer
+    from ls_jax.training.optimizer import make_optimizer
 
     mcfg = ModelConfig(**shape["model"])
     n_dev = jax.device_count()

@@ -10,7 +10,7 @@ Shapes are ``bench/scaling.py``'s (``125m``: 12 layers, d=768, T=8192, batch 2; 
 6 layers, d=192, T=2048, batch 8; ``--tiny``: its smoke shape), on one device. Attention:
 ``default`` (the model's ``attn_implementation=None``: our kernels on a GPU) and ``cudnn``,
 or any ``kernels.ls_attention`` backend. The step is ls_jax's own: ``compile_train_fns`` of
-ls_jax/step.py (the state donated, the plain step without logit statistics).
+ls_jax/training/step.py (the state donated, the plain step without logit statistics).
 
 Each (shape, attention) runs in a fresh subprocess with JAX's persistent compilation cache off,
 so that no compile is served from a cache. Measured (wall clock, seconds):
@@ -69,12 +69,12 @@ def worker(shape_name: str, shape: dict, attention: str, steps: int, warmup: int
 
     from ls_jax import sharding as sharding_lib
     from ls_jax.config import Config, DataConfig, MeshConfig, ModelConfig, TrainConfig
-    from ls_jax.model import count_params
-    from ls_jax.state import init_key
+    from ls_jax.layers.transformer import count_params
+    from ls_jax.training.state import init_key
     try:
-        from ls_jax.step import compile_train_fns
-    except ImportError:  # a checkout from before ls_jax/step.py, timed as a baseline
-        from ls_jax.train import compile_train_fns
+        from ls_jax.training.step import compile_train_fns
+    except ImportError:  # a checkout from before ls_jax/training/step.py, timed as a baseline
+        from ls_jax.training.train import compile_train_fns
 
     model = dict(shape["model"], attn_implementation=None if attention == "default"
                  else attention)
@@ -207,7 +207,7 @@ CACHE_STATES = ("off", "cold", "warm")
 
 def train_worker(train_args: list[str]) -> None:
     """Runs train.py with ``train_args`` in this process; at the end of its first step prints
-    ``{"first_step_end": time.time()}`` and exits. ``ls_jax.train`` is patched as it is
+    ``{"first_step_end": time.time()}`` and exits. ``ls_jax.training.train`` is patched as it is
     imported (train.py imports it itself, in its own order)."""
     import importlib.abc
     import importlib.util
@@ -224,7 +224,7 @@ def train_worker(train_args: list[str]) -> None:
 
     class PatchOnImport(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "ls_jax.train":
+            if name != "ls_jax.training.train":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)

@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     import jax
 
     from ls_jax.configs import get_config
-    from ls_jax.train import train
+    from ls_jax.training.train import train
 
     impls = args.impls.split(",")
     curves, seconds = {}, {}

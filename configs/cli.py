@@ -15,8 +15,8 @@ import types
 
 from ls_jax.config import valid_keys
 from ls_jax.configs import CONFIGS, get_config
-from ls_jax.gc_pause import collection_paused
-from ls_jax.rundir import RunDir
+from ls_jax.training.gc_pause import collection_paused
+from ls_jax.training.rundir import RunDir
 
 
 def _train_extra() -> types.SimpleNamespace:
@@ -32,12 +32,12 @@ def _train_extra() -> types.SimpleNamespace:
 
 def _import_train_extra() -> types.SimpleNamespace:
     try:
-        from ls_jax.checkpoint import CheckpointError
-        from ls_jax.evaluate import evaluate_checkpoint
-        from ls_jax.metrics import send_library_logs_to
-        from ls_jax.rundir import RunDir, WorkdirLocked
+        from ls_jax.training.checkpoint import CheckpointError
+        from ls_jax.training.evaluate import evaluate_checkpoint
+        from ls_jax.training.metrics import send_library_logs_to
+        from ls_jax.training.rundir import RunDir, WorkdirLocked
         from ls_jax.sharding import maybe_initialize_distributed
-        from ls_jax.train import TrainingDiverged, train, use_compilation_cache
+        from ls_jax.training.train import TrainingDiverged, train, use_compilation_cache
     except ModuleNotFoundError as e:
         raise SystemExit(f"error: training and evaluation need the [train] extra (missing "
                          f"module {e.name!r}): pip install 'ls-jax[train]'") from e
@@ -124,7 +124,7 @@ def train_main(argv: list[str] | None = None) -> int:
         parser.error(str(e))
     lib = _train_extra()
     if args.compile_only is not None:  # reads no data and writes no workdir
-        from ls_jax.compile_only import compile_only_main
+        from ls_jax.training.compile_only import compile_only_main
         try:
             return compile_only_main(cfg, args.compile_only)
         except lib.expected_errors as e:
@@ -145,7 +145,7 @@ def train_main(argv: list[str] | None = None) -> int:
             raise
         print(_one_line(e), file=sys.stderr)
         return 1
-    except KeyboardInterrupt as e:  # a second signal: stopped at once (ls_jax.train.Interrupted)
+    except KeyboardInterrupt as e:  # a second signal: stopped at once (ls_jax.training.train.Interrupted)
         if args.debug:
             raise
         print(_one_line(e) if str(e) else "error: interrupted", file=sys.stderr)
@@ -244,7 +244,7 @@ def _progress_bar(total: int | None):
 
 
 def format_eval(r: dict) -> str:
-    from ls_jax.evaluate import format_perplexity
+    from ls_jax.training.evaluate import format_perplexity
     lines = [
         f"checkpoint {r['workdir']} step {r['step']} ({r['config']}), split {r['split']}, "
         f"T={r['seq_len']}, {r['tokens']} tokens in {r['batches']} batches",

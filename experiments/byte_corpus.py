@@ -21,9 +21,9 @@ file past the cap, so a cap gives a fixed, spread-out subset); of duplicates the
 order stays. ``ByteCorpus.describe()`` is the report: files and tokens per split, bytes per
 kind of file, duplicates dropped.
 
-Tokens are the library's byte tokens (``ls_jax.tokenizer.ByteTokenizer``: UTF-8 bytes, id 0
+Tokens are the library's byte tokens (``ls_jax.inputs.tokenizer.ByteTokenizer``: UTF-8 bytes, id 0
 ends each document), stored as one uint8 array per split; validation is the files whose path
-hash falls below ``validation_percent`` (``ls_jax.sources.hash_percent``, the rule of the
+hash falls below ``validation_percent`` (``ls_jax.inputs.sources.hash_percent``, the rule of the
 library's local sources).
 
 ``WindowSampler`` cuts a split into non-overlapping windows of T + 1 tokens and returns the
@@ -48,8 +48,8 @@ import time
 
 import numpy as np
 
-from ls_jax.sources import hash_percent, stdlib_root
-from ls_jax.tokenizer import ByteTokenizer
+from ls_jax.inputs.sources import hash_percent, stdlib_root
+from ls_jax.inputs.tokenizer import ByteTokenizer
 
 SOURCES = ("stdlib", "python", "offline")
 SYSTEM_DOC_DIR = "/usr/share/doc"

@@ -2,12 +2,12 @@
 compiled program per config, the peak learning rate a runtime value, data from a
 ``WindowSampler``, data-parallel over all devices.
 
-Why not ``ls_jax.train.train``: the experiments run on a GPU image without grain or
+Why not ``ls_jax.training.train.train``: the experiments run on a GPU image without grain or
 tensorboardX, and a learning-rate sweep must not compile once per point. The step is
-``ls_jax.step``'s (``compile_train_fns``: the model, the loss, the shardings and the donated
+``ls_jax.training.step``'s (``compile_train_fns``: the model, the loss, the shardings and the donated
 state of a training run; it needs no grain), with the statistics on every step: the per-step
-max |logit| is what these experiments record (``ls_jax.train`` asks for them only on logged
-steps). The optimizer is the library's (``ls_jax.optimizer.make_optimizer``) built with a unit
+max |logit| is what these experiments record (``ls_jax.training.train`` asks for them only on logged
+steps). The optimizer is the library's (``ls_jax.training.optimizer.make_optimizer``) built with a unit
 peak learning rate (lr = 1, min_lr = min_lr / lr) and followed by a multiplication of its
 update by the peak lr, a value of the optimizer state (``with_peak_lr``) and not of the
 compiled program. AdamW's update is linear in the learning rate (the decoupled weight decay is
@@ -35,10 +35,10 @@ from flax import nnx
 from ls_jax import sharding as sharding_lib
 from ls_jax.config import Config, MeshConfig
 from ls_jax.configs import get_config
-from ls_jax.loss import lm_loss
-from ls_jax.optimizer import make_optimizer
-from ls_jax.state import MODEL_KEY, init_key
-from ls_jax.step import check_batch_split, compile_train_fns
+from ls_jax.training.loss import lm_loss
+from ls_jax.training.optimizer import make_optimizer
+from ls_jax.training.state import MODEL_KEY, init_key
+from ls_jax.training.step import check_batch_split, compile_train_fns
 
 from experiments.variants import VARIANTS, config_name
 
@@ -92,7 +92,7 @@ def unit_lr_config(cfg: Config) -> Config:
 class Program:
     """The compiled init / step / eval of one config on one mesh.
 
-    ``step(state, batch_u8_BxT1) -> (state, metrics)`` is ``ls_jax.step``'s step with the
+    ``step(state, batch_u8_BxT1) -> (state, metrics)`` is ``ls_jax.training.step``'s step with the
     statistics; the same compiled step serves every peak lr, which ``with_peak_lr`` puts in
     the state. ``batch`` is uint8 [B, T + 1] (inputs = [:, :-1], targets = [:, 1:]).
     """

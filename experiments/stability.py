@@ -29,9 +29,9 @@ import numpy as np
 
 from ls_jax.config import Config
 from ls_jax.configs import get_config
-from ls_jax.metrics import read_jsonl
-from ls_jax.rundir import RunDir
-from ls_jax.train import TrainingDiverged, train
+from ls_jax.training.metrics import read_jsonl
+from ls_jax.training.rundir import RunDir
+from ls_jax.training.train import TrainingDiverged, train
 
 from experiments.rules import (BLOWUP_FACTOR, SPIKE_FACTOR, SPIKE_WINDOW, TAIL_FRACTION, blew_up,
                                count_spikes)

@@ -1187,7 +1187,7 @@ def section_short(data: Data, root: str) -> list[str]:
     if not data.short:
         return []
     lines = ["## Short runs", "",
-             "Trained through `ls_jax.train` on the library's data pipeline (bytes), evaluated on "
+             "Trained through `ls_jax.training.train` on the library's data pipeline (bytes), evaluated on "
              "the held-out split during training. The max \\|logit\\| is taken at logged steps.", ""]
     for r in data.short:
         c = r.config

@@ -1,7 +1,7 @@
 """The stability experiments' variants: which named config each runs, and what sets them apart.
 
 Kept apart from the experiments themselves so that every one of them (``stability``, which
-trains through ``ls_jax.train``, and ``lr_sweep`` / ``paper_batch``, which run on a GPU image
+trains through ``ls_jax.training.train``, and ``lr_sweep`` / ``paper_batch``, which run on a GPU image
 without grain) reads the same table.
 """
 

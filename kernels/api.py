@@ -169,7 +169,7 @@ def _platform_guard_lowering(ctx, x, *, traced_on: str, chosen: str):
         raise ValueError(
             f"implementation: None chose {chosen!r} for {traced_on!r}, the platform of the "
             f"machine that traced the call, but the program is lowered for {tuple(others)!r}; "
-            "export with ls_jax.export.export (it chooses per platform) or pass "
+            "export with ls_jax.interop.export.export (it chooses per platform) or pass "
             "implementation= explicitly (e.g. 'pallas_gpu' for cuda, 'pallas_tpu' for tpu)")
     return [x]
 
@@ -278,7 +278,7 @@ def ls_attention(q: ArrayIn, k: ArrayIn, v: ArrayIn, window_sizes: Sequence[int 
         ``kernels/dispatch.py``; where the fastest forward alone is another backend, a call
         that nothing differentiates runs that one, ``kernels/directional.py``; the platform is
         the tracing machine's, and lowering the call for another, as
-        ``jax.export(..., platforms=...)`` can, is refused; ``ls_jax.export.export`` chooses
+        ``jax.export(..., platforms=...)`` can, is refused; ``ls_jax.interop.export.export`` chooses
         for each platform it exports for), "reference",
         "cudnn", "pallas_gpu", "pallas_tpu" or "split" (cuDNN for the global heads,
         "pallas_gpu" for the local ones).

@@ -6,7 +6,7 @@ A group of heads (the global ones, the heads of one window) is taken as slices o
 and one concatenate, never a gather: XLA's gather, and the scatter-add that is its transpose
 in the backward, cost far more than a copy. A group of every head in order is the array
 itself. Used by the cuDNN composition (``kernels/cudnn.py``), "split"
-(``kernels/split.py``), the Pallas GPU kernels and the KV cache (``ls_jax/kv_cache.py``).
+(``kernels/split.py``), the Pallas GPU kernels and the KV cache (``ls_jax/layers/kv_cache.py``).
 """
 
 from __future__ import annotations

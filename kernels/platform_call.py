@@ -1,6 +1,6 @@
 """A kernel launch lowered for its own platform alone, inside a program exported for several.
 
-``ls_jax.export.export(..., platforms=("cpu", "cuda", "tpu"))`` with
+``ls_jax.interop.export.export(..., platforms=("cpu", "cuda", "tpu"))`` with
 ``implementation=None`` gives each platform its backend through ``jax.lax.platform_dependent``
 (``kernels/api.py``). JAX lowers every branch of it for every platform of the export (the
 branch that runs is chosen when the program runs), and a Pallas kernel lowers for its own
@@ -21,7 +21,7 @@ from jax.interpreters import batching, mlir
 
 __all__ = ["export_platforms", "exporting_for", "on_platform"]
 
-# The platforms a program is being exported for (ls_jax.export.export sets them while it
+# The platforms a program is being exported for (ls_jax.interop.export.export sets them while it
 # traces): implementation=None then chooses per platform, with lax.platform_dependent.
 _EXPORT_PLATFORMS: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
     "ls_attention_export_platforms", default=None)

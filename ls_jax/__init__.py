@@ -13,7 +13,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what a type checker sees of the names that _EXPORTS imports on first use
-    from ls_jax.attention import LSAttention as LSAttention
+    from ls_jax.layers.attention import LSAttention as LSAttention
     from ls_jax.config import Config as Config
     from ls_jax.config import DataConfig as DataConfig
     from ls_jax.config import ModelConfig as ModelConfig
@@ -21,16 +21,16 @@ if TYPE_CHECKING:  # what a type checker sees of the names that _EXPORTS imports
     from ls_jax.config import layer_window_sizes as layer_window_sizes
     from ls_jax.kernels import LogitStats as LogitStats
     from ls_jax.kernels import ls_attention as ls_attention
-    from ls_jax.model import Transformer as Transformer
+    from ls_jax.layers.transformer import Transformer as Transformer
 
 _EXPORTS = {
     "Config": "ls_jax.config",
     "DataConfig": "ls_jax.config",
     "ModelConfig": "ls_jax.config",
     "TrainConfig": "ls_jax.config",
-    "LSAttention": "ls_jax.attention",
+    "LSAttention": "ls_jax.layers.attention",
     "layer_window_sizes": "ls_jax.config",
-    "Transformer": "ls_jax.model",
+    "Transformer": "ls_jax.layers.transformer",
     "LogitStats": "ls_jax.kernels",
     "ls_attention": "ls_jax.kernels",
 }

@@ -24,7 +24,7 @@ def in_checkout() -> bool:
 def how_to_run(error: ModuleNotFoundError, command: list[str], make_target: str,
                what: str) -> str:
     """One ``error:`` line for ``command`` (as typed after ``python``: ``["train.py", ...]`` or
-    ``["-m", "ls_jax.sample", ...]``), whose imports failed with ``error``; ``what`` names the
+    ``["-m", "ls_jax.inference.sample", ...]``), whose imports failed with ``error``; ``what`` names the
     work for an installed package without the [train] extra (``"sampling"``)."""
     missing = error.name or str(error)
     if not in_checkout():

@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def cli_logging():
     """Undoes the log routing of ``train_main`` / ``eval_main`` (the libraries' records go to
-    the run directory, ``ls_jax.metrics.send_library_logs_to``) after a test."""
+    the run directory, ``ls_jax.training.metrics.send_library_logs_to``) after a test."""
     root = logging.getLogger()
     handlers, raise_exceptions = list(root.handlers), logging.raiseExceptions
     yield

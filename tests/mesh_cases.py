@@ -92,18 +92,18 @@ def _batches(n_steps: int, batch: int, seq_len: int):
 
 
 def case_train(impl: str, meshes: str):
-    """Losses of 3 steps of the run's jitted step (ls_jax.step.compile_train_fns) on each mesh
+    """Losses of 3 steps of the run's jitted step (ls_jax.training.step.compile_train_fns) on each mesh
     ("DxFxT", over the first D x F x T devices); on the last mesh also the shardings of params,
     optimizer state and batch, and the all-gathers of activations in the compiled step."""
     from flax import nnx
 
     from ls_jax import sharding as sharding_lib
     from ls_jax.kernels.sharded import qkv_gathers
-    from ls_jax.state import init_key
-    from ls_jax.step import compile_train_fns
+    from ls_jax.training.state import init_key
+    from ls_jax.training.step import compile_train_fns
     extra = [f"model.attn_implementation={impl}"]
     if impl.startswith("pallas"):  # the model's kernel calls in Pallas interpret mode (CPU)
-        from ls_jax import attention
+        from ls_jax.layers import attention
         from ls_jax.kernels import ls_attention
         attention.ls_attention = lambda *a, **kw: ls_attention(*a, **{**kw, "interpret": True})
     out = {"devices": jax.device_count(), "losses": {}}
@@ -152,9 +152,9 @@ def case_restore(workdir: str, stop_after: str):
     ``stop_after`` steps (0: run to the end); reports the losses and a digest of the state
     restored from the checkpoint it resumed from."""
     from ls_jax import sharding as sharding_lib
-    from ls_jax.checkpoint import Checkpointer
-    from ls_jax.step import compile_train_fns
-    from ls_jax.train import train
+    from ls_jax.training.checkpoint import Checkpointer
+    from ls_jax.training.step import compile_train_fns
+    from ls_jax.training.train import train
     cfg = micro("train.num_steps=4")
     ckpt = Checkpointer(workdir)
     start = ckpt.latest_step()
@@ -177,7 +177,7 @@ def case_multiprocess(workdir: str, process_id: str, port: str, stop_after: str)
     ``stop_after`` steps when not 0)."""
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2,
                                process_id=int(process_id))
-    from ls_jax.train import train
+    from ls_jax.training.train import train
     cfg = micro("train.num_steps=400", "train.save_every=1000")
 
     def log(msg):
@@ -191,7 +191,7 @@ def case_multiprocess(workdir: str, process_id: str, port: str, stop_after: str)
 def case_alone(workdir: str):
     """case_multiprocess's run resumed by one process (one device) for one step; reports the
     warning lines."""
-    from ls_jax.train import train
+    from ls_jax.training.train import train
     cfg = micro("train.num_steps=400", "train.save_every=1000")
     messages = []
     r = train(cfg, workdir, log=messages.append, stop_after_steps=1)

@@ -45,10 +45,10 @@ def test_bad_inputs_raise_clear_errors(args, kwargs, pattern):
 def test_kv_head_count_is_one_check_everywhere():
     from flax import nnx
 
-    from ls_jax.attention import LSAttention
+    from ls_jax.layers.attention import LSAttention
     from ls_jax.kernels.decode import cached_attention
-    from ls_jax.kv_cache import CacheLayout
-    from ls_jax.linen import LSAttention as LinenAttention
+    from ls_jax.layers.kv_cache import CacheLayout
+    from ls_jax.interop.linen import LSAttention as LinenAttention
 
     bad_kv = jnp.zeros((2, 8, 3, 16))
     pos = jnp.zeros((2, 8), jnp.int32)
@@ -91,8 +91,8 @@ LAYER = dict(d_model=16, n_head=4, head_dim=4)
 def test_layers_refuse_bad_arguments_at_construction(library, kwargs, pattern):
     from flax import nnx
 
-    from ls_jax.attention import LSAttention
-    from ls_jax.linen import LSAttention as LinenAttention
+    from ls_jax.layers.attention import LSAttention
+    from ls_jax.interop.linen import LSAttention as LinenAttention
 
     args = {**LAYER, **kwargs}
     with pytest.raises(ValueError, match=pattern):
@@ -106,8 +106,8 @@ def test_layers_refuse_bad_arguments_at_construction(library, kwargs, pattern):
 def test_layers_refuse_a_wrong_input_at_the_call(library):
     from flax import nnx
 
-    from ls_jax.attention import LSAttention
-    from ls_jax.linen import LSAttention as LinenAttention
+    from ls_jax.layers.attention import LSAttention
+    from ls_jax.interop.linen import LSAttention as LinenAttention
 
     good, wide = jnp.zeros((2, 5, 16)), jnp.zeros((2, 5, 12))
     if library == "nnx":
@@ -130,7 +130,7 @@ def test_layers_refuse_a_wrong_input_at_the_call(library):
     ((W,), dict(interpret=True), r"interpret: True .* needs implementation one of"),
 ], ids=["no_heads", "implementation", "interpret_without_pallas"])
 def test_make_attention_fn_refuses_bad_arguments_at_construction(args, kwargs, pattern):
-    from ls_jax.attention_fn import make_attention_fn
+    from ls_jax.interop.attention_fn import make_attention_fn
 
     with pytest.raises(ValueError, match=pattern):
         make_attention_fn(*args, **kwargs)
@@ -144,8 +144,8 @@ def test_layers_run_the_pallas_gpu_kernel_in_interpret_mode(library):
 
     from flax import nnx
 
-    from ls_jax.attention import LSAttention
-    from ls_jax.linen import LSAttention as LinenAttention
+    from ls_jax.layers.attention import LSAttention
+    from ls_jax.interop.linen import LSAttention as LinenAttention
 
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
     x = jax.random.normal(jax.random.key(1), (1, 12, 16))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from ls_jax.attention_fn import make_attention_fn
+from ls_jax.interop.attention_fn import make_attention_fn
 
 T, HEADS, HEAD_DIM = 10, 4, 8
 FEATURES = HEADS * HEAD_DIM

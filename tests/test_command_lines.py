@@ -22,7 +22,7 @@ BARE_PYTHON = [getattr(sys, "_base_executable", sys.executable), "-S"]
     pytest.param(["train.py", "--help"], "train", id="train-help"),
     pytest.param(["train.py", "--config", "tiny"], "train", id="train"),
     pytest.param(["eval.py", "--checkpoint", "runs/tiny"], "eval", id="eval"),
-    pytest.param(["-m", "ls_jax.sample", "--checkpoint", "runs/tiny", "--prompt", "def main("],
+    pytest.param(["-m", "ls_jax.inference.sample", "--checkpoint", "runs/tiny", "--prompt", "def main("],
                  "sample", id="sample"),
 ])
 def test_outside_the_venv_one_line_says_how_to_run(command, make_target):
@@ -50,7 +50,7 @@ def test_without_a_venv_the_line_says_make_makes_it(monkeypatch, tmp_path):
 def test_installed_without_the_train_extra_names_the_extra(monkeypatch):
     monkeypatch.setattr(run_hint, "in_checkout", lambda: False)
     line = run_hint.how_to_run(ModuleNotFoundError("No module named 'orbax'", name="orbax"),
-                               ["-m", "ls_jax.sample"], "sample", "sampling")
+                               ["-m", "ls_jax.inference.sample"], "sample", "sampling")
     assert line == ("error: sampling needs the [train] extra (missing module 'orbax'): "
                     "pip install 'ls-jax[train]'")
 

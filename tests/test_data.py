@@ -13,7 +13,8 @@ import pytest
 
 grain = pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 
-from ls_jax import data, sources
+from ls_jax.inputs import pipeline as data
+from ls_jax.inputs import sources
 from ls_jax.config import DataConfig
 
 T = 32  # seq_len of the small configs

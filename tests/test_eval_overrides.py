@@ -17,9 +17,9 @@ from flax import nnx
 
 from ls_jax.configs import get_config
 from ls_jax.configs.cli import eval_main
-from ls_jax.evaluate import evaluate_checkpoint
-from ls_jax.model import Transformer
-from ls_jax.train import train
+from ls_jax.training.evaluate import evaluate_checkpoint
+from ls_jax.layers.transformer import Transformer
+from ls_jax.training.train import train
 
 import test_train  # tests/, beside this file
 

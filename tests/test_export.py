@@ -1,4 +1,4 @@
-"""``jax.export`` for "cuda" and "tpu" from this CPU machine (ls_jax/export.py): the op and a
+"""``jax.export`` for "cuda" and "tpu" from this CPU machine (ls_jax/interop/export.py): the op and a
 model lower to our kernels' custom calls (Pallas' Triton/Mosaic lowering runs; the GPU/TPU
 compilers do not), also with a symbolic batch; ``implementation=None`` chooses per platform of
 the export (one artifact for several), and under ``jax.export`` itself is refused for another
@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 
 from ls_jax.config import ModelConfig
-from ls_jax.export import KERNEL_CUSTOM_CALLS, export
+from ls_jax.interop.export import KERNEL_CUSTOM_CALLS, export
 from ls_jax.kernels import ls_attention
-from ls_jax.model import Transformer
+from ls_jax.layers.transformer import Transformer
 
 GPU = "NVIDIA H100 80GB HBM3"  # the target a CPU machine names for the GPU lowering
 IMPL = {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}
@@ -89,7 +89,7 @@ def test_implementation_none_under_jax_export_is_refused_for_another_platform(pl
     with pytest.raises(ValueError, match=(
             r"implementation: None chose 'reference' for 'cpu', the platform of the machine "
             rf"that traced the call, but the program is lowered for \('{platform}',\); "
-            r"export with ls_jax.export.export \(it chooses per platform\)")):
+            r"export with ls_jax.interop.export.export \(it chooses per platform\)")):
         jax.export.export(f, platforms=(platform,))(q)
     assert jax.export.export(f, platforms=("cpu",))(q).platforms == ("cpu",)
 
@@ -123,7 +123,7 @@ def test_a_symbolic_batch_exports_forward_and_backward(platform, gpu):
 
 
 def test_one_export_for_cpu_cuda_and_tpu_runs_here():
-    """implementation=None under ls_jax.export.export: one artifact holding the reference for
+    """implementation=None under ls_jax.interop.export.export: one artifact holding the reference for
     CPU and our kernels for CUDA and TPU (a jax.lax.platform_dependent branch each), which
     runs on this CPU as the call does."""
     W = (None, 9, 9, 130)

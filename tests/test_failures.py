@@ -21,14 +21,14 @@ import pytest
 
 grain = pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 
-import ls_jax.metrics as metrics_lib
-import ls_jax.train as train_lib
-from ls_jax.checkpoint import CheckpointError, Checkpointer
+import ls_jax.training.metrics as metrics_lib
+import ls_jax.training.train as train_lib
+from ls_jax.training.checkpoint import CheckpointError, Checkpointer
 from ls_jax.configs import get_config
 from ls_jax.configs.cli import eval_main, train_main
-from ls_jax.metrics import read_jsonl, send_library_logs_to
-from ls_jax.rundir import NON_IDENTITY_FIELDS, RunDir, WorkdirLocked
-from ls_jax.train import train
+from ls_jax.training.metrics import read_jsonl, send_library_logs_to
+from ls_jax.training.rundir import NON_IDENTITY_FIELDS, RunDir, WorkdirLocked
+from ls_jax.training.train import train
 
 from tests.test_train import MICRO, micro_config, quiet
 
@@ -326,7 +326,7 @@ def test_a_second_run_in_a_locked_workdir_refuses(tmp_path):
 def test_a_killed_run_does_not_leave_the_lock_stuck(tmp_path):
     script = textwrap.dedent(f"""
         import time
-        from ls_jax.rundir import RunDir
+        from ls_jax.training.rundir import RunDir
         with RunDir({str(tmp_path)!r}).lock():
             print("locked", flush=True)
             time.sleep(60)
@@ -414,8 +414,8 @@ MOMENT_DRIVER = textwrap.dedent("""
                     fire()
         sys.meta_path.insert(0, FireOnJax())
     else:
-        import ls_jax.train as T
-        from ls_jax.checkpoint import Checkpointer
+        import ls_jax.training.train as T
+        from ls_jax.training.checkpoint import Checkpointer
         real_compile, real_save, real_eval = T.compile_train_fns, Checkpointer.save, T.evaluate_model
         saving = []
 

@@ -25,14 +25,14 @@ import pytest
 
 pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 
-import ls_jax.train as train_lib
-from ls_jax.checkpoint import CheckpointError, Checkpointer
+import ls_jax.training.train as train_lib
+from ls_jax.training.checkpoint import CheckpointError, Checkpointer
 from ls_jax.configs.cli import format_eval, train_main
-from ls_jax.evaluate import format_perplexity, perplexity
-from ls_jax.metrics import MetricsWriter, read_jsonl
-from ls_jax.rundir import RunDir
-from ls_jax.state import restore_model
-from ls_jax.train import TrainingDiverged, train
+from ls_jax.training.evaluate import format_perplexity, perplexity
+from ls_jax.training.metrics import MetricsWriter, read_jsonl
+from ls_jax.training.rundir import RunDir
+from ls_jax.training.state import restore_model
+from ls_jax.training.train import TrainingDiverged, train
 
 from tests.test_train import MICRO, micro_config, quiet
 
@@ -54,7 +54,7 @@ DRIVER = textwrap.dedent("""
     script = sys.argv[2]
     sys.argv = sys.argv[2:]
     workdir = sys.argv[sys.argv.index("--workdir") + 1]
-    import ls_jax.train as T
+    import ls_jax.training.train as T
 
     def fd_of(path):
         for fd in os.listdir("/proc/self/fd"):
@@ -97,7 +97,7 @@ DRIVER = textwrap.dedent("""
 
     T._StepLog.say = say
     if fault == "ro_checkpoints":  # before step 4's save, once step 2's is on disk
-        from ls_jax.checkpoint import Checkpointer
+        from ls_jax.training.checkpoint import Checkpointer
         real_ckpt_save = Checkpointer.save
 
         def ckpt_save(self, step, *args, **kwargs):

@@ -5,7 +5,7 @@ import gc
 
 import pytest
 
-from ls_jax.gc_pause import collection_paused
+from ls_jax.training.gc_pause import collection_paused
 
 
 @pytest.mark.parametrize("enabled_before", [True, False], ids=["on", "off"])

@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 from ls_jax.config import ModelConfig
-from ls_jax.generate import (decode_step_fn, generate, prefill_chunk_fn,
+from ls_jax.inference.generate import (decode_step_fn, generate, prefill_chunk_fn,
                               prefill_compiler_options, sample_logits)
-from ls_jax.kv_cache import CacheLayout, ring_positions
-from ls_jax.model import Transformer
+from ls_jax.layers.kv_cache import CacheLayout, ring_positions
+from ls_jax.layers.transformer import Transformer
 
 
 def tiny_model(seed=0, **kw):
@@ -102,7 +102,7 @@ def test_batch_of_unequal_prompts_equals_each_alone_and_no_cache():
 @pytest.mark.slow
 def test_batch_rows_logits_equal_alone():
     """Right padding never leaks: each row's cached logits equal its own full forward pass."""
-    from ls_jax.generate import prefill
+    from ls_jax.inference.generate import prefill
     model = tiny_model(pos_embedding="rope", n_kv_head=2)
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, 32, size=20).astype(np.int32) for _ in range(3)]

@@ -170,10 +170,10 @@ def test_relative_imports_resolve_against_the_package():
 
 def test_the_package_is_read():
     sources, packages = read_package_sources()
-    assert {"ls_jax", "ls_jax.train", "ls_jax.kernels", "ls_jax.kernels.api"} <= set(sources)
+    assert {"ls_jax", "ls_jax.training.train", "ls_jax.kernels", "ls_jax.kernels.api"} <= set(sources)
     assert {"ls_jax", "ls_jax.kernels"} <= packages
     graph = import_graph(sources, packages)
-    assert "ls_jax.config" in graph["ls_jax.model"]
+    assert "ls_jax.config" in graph["ls_jax.layers.transformer"]
 
 
 def test_no_import_cycles_in_the_package():

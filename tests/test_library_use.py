@@ -14,10 +14,10 @@ import pytest
 from flax import nnx
 
 from ls_jax import LSAttention
-from ls_jax.attention_fn import make_attention_fn
+from ls_jax.interop.attention_fn import make_attention_fn
 from ls_jax.kernels import ls_attention
 from ls_jax.kernels.reference import reference_backend
-from ls_jax.weights import load_params, save_params
+from ls_jax.interop.weights import load_params, save_params
 from eight_devices import result, start  # tests/, beside this file
 
 WINDOWS = (None, 3, 9, 40)
@@ -119,7 +119,7 @@ def test_decode_cache_of_flax_attention_is_named_as_the_cause():
             r"whole sequence\), got key \(2, 8, 4, 8\), value \(2, 8, 4, 8\): a decode cache "
             r"\(decode=True\) is not supported by this attention_fn; call the layer with "
             r"decode=False, or decode with ls_jax.LSAttention and its KV cache "
-            r"\(ls_jax.generate\)$")):
+            r"\(ls_jax.inference.generate\)$")):
         layer(jnp.ones((2, 1, 32)))
 
 
@@ -151,7 +151,7 @@ def test_parameters_of_any_nnx_module_round_trip_through_safetensors(tmp_path):
 
 
 def test_linen_parameters_round_trip_and_a_mismatch_is_one_line(tmp_path):
-    from ls_jax.linen import LSAttention as LinenLSAttention
+    from ls_jax.interop.linen import LSAttention as LinenLSAttention
     path = str(tmp_path / "linen.safetensors")
     params = LinenLSAttention(d_model=32, n_head=4, head_dim=8, window=4).init(
         jax.random.key(0), jnp.ones((1, 8, 32)))

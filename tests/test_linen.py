@@ -1,4 +1,4 @@
-"""ls_jax.linen.LSAttention: the NNX layer's parameter tree and outputs, in Linen."""
+"""ls_jax.interop.linen.LSAttention: the NNX layer's parameter tree and outputs, in Linen."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from ls_jax import LSAttention as NNXAttention
-from ls_jax.linen import LSAttention as LinenAttention
+from ls_jax.interop.linen import LSAttention as LinenAttention
 
 D_MODEL, N_HEAD, HEAD_DIM, T = 24, 4, 6, 12
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import ls_jax.attention as attention_lib
+import ls_jax.layers.attention as attention_lib
 from ls_jax import LSAttention, ModelConfig, Transformer
-from ls_jax.checkpoint import Checkpointer
+from ls_jax.training.checkpoint import Checkpointer
 from ls_jax.config import Config, DataConfig, TrainConfig
-from ls_jax.loss import lm_loss
-from ls_jax.rundir import RunDir
-from ls_jax.state import abstract_train_state, restore_model
+from ls_jax.training.loss import lm_loss
+from ls_jax.training.rundir import RunDir
+from ls_jax.training.state import abstract_train_state, restore_model
 
 SMALL = dict(vocab_size=64, n_layer=2, d_model=32, n_head=4, head_dim=8, window=4, max_seq_len=64)
 

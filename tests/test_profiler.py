@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from ls_jax.configs import get_config
-from ls_jax.profiler import StepProfiler
+from ls_jax.training.profiler import StepProfiler
 
 
 def trace_files(log_dir):
@@ -53,7 +53,7 @@ def test_step_profiler_resumed_past_the_window_traces_nothing(tmp_path):
 
 
 def test_training_writes_a_trace_of_the_profiled_steps(tmp_path):
-    from ls_jax.train import train
+    from ls_jax.training.train import train
     cfg = get_config("tiny", [
         "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.head_dim=16",
         "model.window=8", "model.max_seq_len=32", "data.seq_len=32", "data.shuffle_window=16",

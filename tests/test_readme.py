@@ -11,7 +11,7 @@ import pytest
 
 from ls_jax.configs import CONFIGS, get_config
 from ls_jax.configs.cli import eval_parser, train_parser
-from ls_jax.sample import build_parser as sample_parser
+from ls_jax.inference.sample import build_parser as sample_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # docs/stability.md is written from its experiments' results, with its own commands
@@ -22,7 +22,7 @@ MAX_LINES = {"README.md": 250}  # every other page: 300
 # Python examples that need what a CPU test has not got: (page, a line of the example, why)
 NOT_RUN = [
     ("docs/data.md", "mngr.save(step", "a fragment inside an orbax checkpoint manager"),
-    ("docs/generation.md", "from ls_jax.generate import generate",
+    ("docs/generation.md", "from ls_jax.inference.generate import generate",
      "needs a trained model and prompts"),
     ("docs/usage.md", "jax.make_mesh((2, 2)", "needs 4 devices: tests/partition_cases.py runs it"),
     ("docs/usage.md", "load_model(\"runs/tiny\")", "needs a trained run"),
@@ -124,12 +124,12 @@ def test_usage_examples_give_the_shapes_they_name():
     ns = run_block("docs/usage.md", "make_attention_fn")
     for name in ("y_BxTxM", "y_nnx", "y_linen"):
         assert ns[name].shape == (2, 64, 128), name
-    ns = run_block("docs/usage.md", "from ls_jax.export import export")
+    ns = run_block("docs/usage.md", "from ls_jax.interop.export import export")
     assert ns["exported_tpu"].platforms == ("tpu",)
     assert ns["exported_gpu"].platforms == ("cuda",)
 
 
-ENTRY_POINTS = {"train.py": train_parser, "eval.py": eval_parser, "-m ls_jax.sample": sample_parser}
+ENTRY_POINTS = {"train.py": train_parser, "eval.py": eval_parser, "-m ls_jax.inference.sample": sample_parser}
 
 
 def _entry_point_commands():
@@ -164,9 +164,9 @@ def test_command_parses_as_written(page, entry, args):
     if entry == "train.py":
         get_config(parsed.config, parsed.overrides)  # the config and every override exist
     elif entry == "eval.py":
-        # ls_jax.evaluate needs the training extra (grain): imported here, so that the suite
+        # ls_jax.training.evaluate needs the training extra (grain): imported here, so that the suite
         # collects on the GPU image, which has none
-        evaluate = pytest.importorskip("ls_jax.evaluate", exc_type=ImportError)
+        evaluate = pytest.importorskip("ls_jax.training.evaluate", exc_type=ImportError)
         evaluate.eval_config(get_config("paper"), parsed.overrides)
 
 

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from ls_jax.configs import get_config
-from ls_jax.rundir import RunDir
+from ls_jax.training.rundir import RunDir
 
 
 def test_paths_are_the_documented_layout(tmp_path):

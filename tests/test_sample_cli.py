@@ -1,4 +1,4 @@
-"""`python -m ls_jax.sample`: a briefly trained micro run samples text; bad input -> one line,
+"""`python -m ls_jax.inference.sample`: a briefly trained micro run samples text; bad input -> one line,
 exit 2. Also the inference benchmark's --smoke mode on CPU."""
 
 import json
@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 
-from ls_jax.sample import main as sample_main
-from ls_jax.train import train
+from ls_jax.inference.sample import main as sample_main
+from ls_jax.training.train import train
 
 # the training tests' 2-step run (64 learned positions): its compiled programs are theirs (the
 # compilation cache)

@@ -197,7 +197,7 @@ def test_remat_policies_give_the_same_gradients():
     from flax import nnx
 
     from ls_jax.config import ModelConfig
-    from ls_jax.model import Transformer
+    from ls_jax.layers.transformer import Transformer
     base = ModelConfig(vocab_size=64, n_layer=2, d_model=16, n_head=2, head_dim=8, window=4,
                        max_seq_len=16)
     tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 64)

@@ -17,11 +17,11 @@ import pytest
 
 pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 
-from ls_jax import metrics as metrics_lib
-from ls_jax import sources
-from ls_jax import train as train_lib
+from ls_jax.training import metrics as metrics_lib
+from ls_jax.inputs import sources
+from ls_jax.training import train as train_lib
 from ls_jax.configs import get_config
-from ls_jax.train import train, use_compilation_cache
+from ls_jax.training.train import train, use_compilation_cache
 from test_train import MICRO  # the micro config of the training tests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

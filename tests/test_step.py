@@ -1,4 +1,4 @@
-"""The train step's module (``ls_jax.step``): importable without the input pipeline's packages,
+"""The train step's module (``ls_jax.training.step``): importable without the input pipeline's packages,
 and the experiments' runner (``experiments/runner.py``) running it with a peak learning rate
 held in the state."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from experiments import runner
 from experiments.byte_corpus import WindowSampler
-from ls_jax.step import compile_train_fns
+from ls_jax.training.step import compile_train_fns
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # what the GPU image the experiments run on lacks
@@ -39,14 +39,14 @@ def without_the_gpu_image_packages():
     the checks below): it imports the step and the experiments, then the training loop, then
     collects the suite's GPU tests; (exit code, stdout, stderr)."""
     script = BLOCK + textwrap.dedent("""
-        import ls_jax.step, ls_jax.compile_only
+        import ls_jax.training.step, ls_jax.training.compile_only
         import experiments.runner, experiments.lr_sweep, experiments.paper_batch
         import experiments.byte_corpus, experiments.rules, experiments.stability_report
         print("imported", flush=True)
         try:
-            import ls_jax.train
+            import ls_jax.training.train
         except ModuleNotFoundError as e:
-            print(f"ls_jax.train: {e}", flush=True)
+            print(f"ls_jax.training.train: {e}", flush=True)
         import pytest
         sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu",
                               "tests"]))
@@ -62,7 +62,7 @@ def test_the_step_and_the_experiments_import_without_grain_tfds_sentencepiece_te
     _, out, err = without_the_gpu_image_packages
     assert out.startswith("imported\n"), err[-3000:]
     # the blocker bites: the training loop needs grain
-    assert "ls_jax.train: No module named 'grain' (blocked)" in out, out[-3000:]
+    assert "ls_jax.training.train: No module named 'grain' (blocked)" in out, out[-3000:]
 
 
 def test_runner_at_a_peak_lr_is_the_library_step_at_that_lr():

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from ls_jax import tokenizer as tokenizer_lib
-from ls_jax.tokenizer import make_tokenizer
+from ls_jax.inputs import tokenizer as tokenizer_lib
+from ls_jax.inputs.tokenizer import make_tokenizer
 
 SAMPLE_TEXTS = [
     "hello world",
@@ -126,7 +126,7 @@ def test_sentencepiece_token_byte_lengths_sum_to_utf8_length(spm_model_path, tex
 
 def test_sentencepiece_compresses_python_source(spm_model_path):
     """A trained model must do better than bytes on held-out text of the same kind."""
-    from ls_jax.sources import load_documents
+    from ls_jax.inputs.sources import load_documents
 
     tok = make_tokenizer(f"sentencepiece:{spm_model_path}")
     docs = load_documents("stdlib", "validation")

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ls_jax.compile_only import (EXIT_DOES_NOT_FIT, compile_steps, kernel_calls,
+from ls_jax.training.compile_only import (EXIT_DOES_NOT_FIT, compile_steps, kernel_calls,
                                  prepare_libtpu, topology_devices)
 
 try:

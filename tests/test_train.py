@@ -14,17 +14,17 @@ import pytest
 pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 from flax import nnx
 
-import ls_jax.step as step_lib
-from ls_jax import data as data_lib
+import ls_jax.training.step as step_lib
+from ls_jax.inputs import pipeline as data_lib
 from ls_jax.configs import get_config
-from ls_jax.checkpoint import CheckpointError, Checkpointer, DataLayout
-from ls_jax.loss import lm_loss
+from ls_jax.training.checkpoint import CheckpointError, Checkpointer, DataLayout
+from ls_jax.training.loss import lm_loss
 from ls_jax.configs.cli import eval_main
-from ls_jax.evaluate import evaluate_checkpoint
-from ls_jax.metrics import read_jsonl
-from ls_jax.state import abstract_train_state
-from ls_jax.step import make_train_step
-from ls_jax.train import TrainingDiverged, train
+from ls_jax.training.evaluate import evaluate_checkpoint
+from ls_jax.training.metrics import read_jsonl
+from ls_jax.training.state import abstract_train_state
+from ls_jax.training.step import make_train_step
+from ls_jax.training.train import TrainingDiverged, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -318,7 +318,7 @@ def test_two_devices_match_one(tmp_path):
     script = (
         "import sys, json\n"
         "from tests.test_train import micro_config\n"
-        "from ls_jax.train import train\n"
+        "from ls_jax.training.train import train\n"
         "import jax\n"
         "r = train(micro_config('train.num_steps=3', 'train.save_every=3'), sys.argv[1], log=lambda m: None)\n"
         "print(json.dumps({'devices': jax.device_count(), 'losses': [r.losses[s] for s in (1, 2, 3)]}))\n"
@@ -342,8 +342,8 @@ def test_init_key_is_an_argument_not_a_traced_constant():
     from flax import nnx
 
     from ls_jax.sharding import make_mesh
-    from ls_jax.state import create_model_and_optimizer, init_key
-    from ls_jax.step import compile_train_fns
+    from ls_jax.training.state import create_model_and_optimizer, init_key
+    from ls_jax.training.step import compile_train_fns
 
     cfg = get_config("tiny")
     mesh = make_mesh(cfg.mesh)

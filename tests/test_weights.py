@@ -1,5 +1,5 @@
-"""ls_jax.weights: a run's parameters to safetensors and back, by stable names; and
-ls_jax.sample.load_model, which it reads the run with."""
+"""ls_jax.interop.weights: a run's parameters to safetensors and back, by stable names; and
+ls_jax.inference.sample.load_model, which it reads the run with."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from flax import nnx
 pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 from safetensors.numpy import load_file, save_file
 
-from ls_jax.sample import load_model
-from ls_jax.train import train
-from ls_jax.weights import load_weights, parameters, save_weights
+from ls_jax.inference.sample import load_model
+from ls_jax.training.train import train
+from ls_jax.interop.weights import load_weights, parameters, save_weights
 
 # the training tests' 2-step run: its compiled programs are theirs (the compilation cache)
 from test_train import micro_config  # tests/, beside this file

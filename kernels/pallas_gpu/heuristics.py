@@ -94,7 +94,7 @@ def gpu_of_kind(device_kind: str, sms: int | None = None) -> Gpu:
 def current_gpu(interpret: bool = False) -> Gpu:
     """The GPU a call is planned for: in interpret mode the reference GPU (so the CPU tests
     run the Hopper launches in Pallas' GPU interpreter); else the GPU of the abstract mesh in
-    context (an export names its target GPU so, ``ls_jax/export.py``; ``gpu_of_kind``); else
+    context (an export names its target GPU so, ``ls_jax/interop/export.py``; ``gpu_of_kind``); else
     JAX's first device, by its compute capability; a machine without a GPU plans for a
     non-Hopper one."""
     if interpret:

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ls_jax import LSAttention, LogitStats, ls_attention
-from ls_jax.attention_fn import make_attention_fn
-from ls_jax.linen import LSAttention as LinenLSAttention
+from ls_jax.interop.attention_fn import make_attention_fn
+from ls_jax.interop.linen import LSAttention as LinenLSAttention
 
 q = jnp.zeros((2, 16, 4, 8))
 kv = jnp.zeros((2, 16, 2, 8))

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from ls_jax import sharding as sharding_lib
-from ls_jax.rundir import CHECKPOINT_SUBDIR, RunDir, remedy
+from ls_jax.training.rundir import CHECKPOINT_SUBDIR, RunDir, remedy
 
 _TMP_MARKER = ".orbax-checkpoint-tmp"
 _GRAIN_FILE = re.compile(r"process_\d+-of-(\d+)\.json")  # grain's name for one process's state

@@ -1,6 +1,6 @@
 """The train step and the jitted functions of a run on a mesh.
 
-``make_train_step`` is the step every training run takes (``ls_jax.train``, the experiments
+``make_train_step`` is the step every training run takes (``ls_jax.training.train``, the experiments
 of ``experiments/``, ``train.py --compile-only``); ``compile_train_fns`` jits it with the
 run's shardings. Importing this module needs JAX, Flax, optax and orbax only (no grain, TFDS,
 SentencePiece or tensorboardX): the experiments import it on machines without the input
@@ -19,9 +19,9 @@ from flax import nnx
 
 from ls_jax import sharding as sharding_lib
 from ls_jax.config import Config
-from ls_jax.loss import lm_loss
-from ls_jax.optimizer import learning_rate_schedule
-from ls_jax.state import abstract_train_state, create_model_and_optimizer
+from ls_jax.training.loss import lm_loss
+from ls_jax.training.optimizer import learning_rate_schedule
+from ls_jax.training.state import abstract_train_state, create_model_and_optimizer
 
 # the metrics a step with statistics adds: [layer][head] and the lm head's max |logit|
 STATS_KEYS = ("attn_max_abs_logit", "lm_head_max_abs_logit")
@@ -30,7 +30,7 @@ STATS_KEYS = ("attn_max_abs_logit", "lm_head_max_abs_logit")
 def make_train_step(graphdef, cfg: Config, *, with_stats: bool) -> Callable:
     """(state, batch) -> (state, metrics); pure, for jax.jit with the state donated.
 
-    ``graphdef`` is that of (model, nnx.Optimizer) (``ls_jax.state.abstract_train_state``),
+    ``graphdef`` is that of (model, nnx.Optimizer) (``ls_jax.training.state.abstract_train_state``),
     ``state`` its nnx.State, ``batch`` {"inputs", "targets"} int32 [B, T]. The metrics'
     "lr" is ``learning_rate_schedule(cfg.train)`` at the optimizer's step.
     with_stats: also return the logit-norm statistics (``Transformer(return_stats=True)``);
@@ -98,7 +98,7 @@ class TrainFns:
     graphdef: Any
     abstract: Any  # abstract nnx.State of (model, optimizer)
     state_sharding: Any  # the same tree with a NamedSharding per variable
-    init: Callable  # (key) -> state; key = ls_jax.state.init_key(cfg)
+    init: Callable  # (key) -> state; key = ls_jax.training.state.init_key(cfg)
     steps: dict[bool, Callable]  # with_stats -> (state, global batch) -> (state, metrics)
     # (state, batch) as ShapeDtypeStructs with their shardings: what the steps are lowered for
     step_args: tuple[Any, dict]
@@ -120,7 +120,7 @@ def compile_train_fns(cfg: Config, mesh: jax.sharding.Mesh, *,
     the batch over data x fsdp, the metrics replicated; the state donated to each step. Each
     function compiles on first use.
 
-    tx: the optimizer (default ``ls_jax.optimizer.make_optimizer(cfg.train)``, what a training
+    tx: the optimizer (default ``ls_jax.training.optimizer.make_optimizer(cfg.train)``, what a training
     run uses; ``experiments/runner.py`` passes its own, see there).
     """
     graphdef, abstract = abstract_train_state(cfg, tx=tx)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ls_jax.rundir import WriteFailed, write_atomically, write_failed
+from ls_jax.training.rundir import WriteFailed, write_atomically, write_failed
 
 # TensorBoard rereads its event files every 5 s by default (--reload_interval): flushing them
 # (an fsync, which waits on every other writer of the disk) more often shows nothing sooner.

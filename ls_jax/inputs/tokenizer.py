@@ -11,7 +11,7 @@ for (0 for control tokens such as EOS), so that a loss in nats/token converts to
 
 Train a SentencePiece model on a source's documents with ``train_sentencepiece`` or the CLI::
 
-    python -m ls_jax.tokenizer --source tfds:pg19 --vocab-size 10000 --output DIR/pg19_10k
+    python -m ls_jax.inputs.tokenizer --source tfds:pg19 --vocab-size 10000 --output DIR/pg19_10k
 
 Models trained here use identity normalization, no dummy-prefix space and byte fallback, so
 ``decode(encode(text)) == text`` for any text, and the byte lengths of the tokens of a text sum
@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ls_jax.sources import load_documents
+from ls_jax.inputs.sources import load_documents
 
 BYTES_SPEC = "bytes"
 SENTENCEPIECE_PREFIX = "sentencepiece:"
@@ -103,7 +103,7 @@ class SentencePieceTokenizer(Tokenizer):
         if not path.is_file():
             raise FileNotFoundError(
                 f"tokenizer: SentencePiece model file not found: '{path}'. Train one with "
-                f"`python -m ls_jax.tokenizer --source stdlib --vocab-size 10000 --output "
+                f"`python -m ls_jax.inputs.tokenizer --source stdlib --vocab-size 10000 --output "
                 f"DIR/spm` (writes DIR/spm.model)")
         import sentencepiece as spm
 
@@ -247,7 +247,7 @@ def train_sentencepiece(source: str, output_prefix: str | os.PathLike, vocab_siz
 
 def main(argv: Sequence[str] | None = None) -> str:
     parser = argparse.ArgumentParser(
-        prog="python -m ls_jax.tokenizer",
+        prog="python -m ls_jax.inputs.tokenizer",
         description="Train a SentencePiece tokenizer on a data source's documents.")
     parser.add_argument("--source", required=True,
                         help="'stdlib', 'text:<glob>' or 'tfds:<name>[:<config>]'")

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ls_jax.attention import LSAttention, partitioned
+from ls_jax.layers.attention import LSAttention, partitioned
 from ls_jax.config import ModelConfig
-from ls_jax.kv_cache import CacheStep, KVCache, LayerCache, init_cache
+from ls_jax.layers.kv_cache import CacheStep, KVCache, LayerCache, init_cache
 from ls_jax.sharding import constrain_batch
 
 # model.remat -> what a block keeps for its backward pass (None: no checkpointing)
@@ -189,7 +189,7 @@ class Transformer(nnx.Module):
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
         return jax.lax.scan(body, x_BxTxM, stacked, unroll=True)
 
-    # -- decoding with a KV cache (ls_jax/generate.py) ---------------------------------------
+    # -- decoding with a KV cache (ls_jax/inference/generate.py) ---------------------------------------
 
     def cache_layouts(self, max_len: int):
         """The ``CacheLayout`` of every layer for a cache of ``max_len`` positions."""

@@ -1,8 +1,8 @@
 """Compile a run's steps for a TPU slice without a TPU: does a config fit, before renting it?
 
 ``python train.py --config paper --compile-only v5e:2x4 [section.key=value ...]`` builds the
-train step of ``ls_jax/step.py`` (``compile_train_fns``: the model, optimizer, shardings and
-donation of a real run) and the evaluation step of ``ls_jax/evaluate.py`` on the mesh the
+train step of ``ls_jax/training/step.py`` (``compile_train_fns``: the model, optimizer, shardings and
+donation of a real run) and the evaluation step of ``ls_jax/training/evaluate.py`` on the mesh the
 config asks for, over the devices of a TPU topology description (libtpu, the ``jax[tpu]``
 extra, compiles for v4/v5e/v5p/v6e topologies on any host), and compiles them with the TPU
 compiler, Mosaic kernels included. It reads no data and writes nothing. The report gives, per
@@ -210,9 +210,9 @@ def compile_steps(cfg: Config, topology: str, *, programs: tuple[str, ...] = PRO
     nothing runs. The train step is what most steps run, "+ statistics" the logged steps'
     variant with the logit statistics, "eval step" the evaluation's. ValueError (one line)
     for a bad topology, program name or batch split."""
-    from ls_jax.evaluate import _eval_fn  # the [train] extra's packages, imported when used
-    from ls_jax.state import MODEL_KEY
-    from ls_jax.step import check_batch_split, compile_train_fns
+    from ls_jax.training.evaluate import _eval_fn  # the [train] extra's packages, imported when used
+    from ls_jax.training.state import MODEL_KEY
+    from ls_jax.training.step import check_batch_split, compile_train_fns
 
     unknown = [p for p in programs if p not in PROGRAMS]
     if unknown or not programs:
@@ -249,11 +249,11 @@ def compile_steps(cfg: Config, topology: str, *, programs: tuple[str, ...] = PRO
 
 
 def _lower_eval_step(eval_fn, cfg: Config, mesh, batch):
-    """The evaluation step (``ls_jax.evaluate``) lowered for the model alone, with the run's
+    """The evaluation step (``ls_jax.training.evaluate``) lowered for the model alone, with the run's
     parameter shardings, on a training batch."""
     from flax import nnx
 
-    from ls_jax.model import Transformer
+    from ls_jax.layers.transformer import Transformer
 
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
         graphdef, abstract = nnx.split(nnx.eval_shape(

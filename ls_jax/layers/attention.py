@@ -5,7 +5,7 @@ last ``window`` tokens (query i sees keys i - window < j <= i). With ``n_global_
 n_head`` it is plain causal multi-head self-attention. The attention itself is one call of
 ``kernels.ls_attention`` for all heads, which picks the Pallas kernel for the platform (on
 sharded inputs, one call per shard: kernels/sharded.py). Given a KV cache
-(``ls_jax/kv_cache.py``), the same call attends over it and writes the new keys and values into
+(``ls_jax/layers/kv_cache.py``), the same call attends over it and writes the new keys and values into
 it (decoding).
 """
 
@@ -23,9 +23,9 @@ from ls_jax.kernels import ls_attention, normalize_window_sizes
 from ls_jax.kernels.decode import cached_attention, decode_step_attention
 from ls_jax.kernels.dispatch import IMPLEMENTATIONS, INTERPRET_IMPLEMENTATIONS
 from ls_jax.kernels.heads import kv_group_size, take_heads
-from ls_jax.kv_cache import (CacheLayout, CacheStep, LayerCache, decode_groups,
+from ls_jax.layers.kv_cache import (CacheLayout, CacheStep, LayerCache, decode_groups,
                              global_positions, ring_positions, with_written, write_layer)
-from ls_jax.rope import apply_rope
+from ls_jax.layers.rope import apply_rope
 from ls_jax.sharding import attention_spec
 
 
@@ -58,7 +58,7 @@ def check_backend(implementation, interpret) -> None:
 def layer_spec(d_model, n_head, head_dim, n_kv_head, n_global_heads, window, window_sizes,
                rope_theta, implementation, interpret) -> tuple[tuple[int | None, ...], int]:
     """(per-head windows, kv heads) of an LS-attention layer's arguments, each checked with
-    one line naming it; shared by the NNX layer and the Linen one (ls_jax/linen.py)."""
+    one line naming it; shared by the NNX layer and the Linen one (ls_jax/interop/linen.py)."""
     _positive_int("d_model", d_model)
     _positive_int("n_head", n_head)
     _positive_int("head_dim", head_dim)
@@ -178,7 +178,7 @@ class LSAttention(nnx.Module):
                 self.k_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim),
                 self.v_proj(x_BxTxM).reshape(B, T, self.n_kv_head, self.head_dim))
 
-    # -- decoding with a KV cache (ls_jax/kv_cache.py, ls_jax/generate.py) ----------------------
+    # -- decoding with a KV cache (ls_jax/layers/kv_cache.py, ls_jax/inference/generate.py) ----------------------
 
     def cache_layout(self, max_len: int):
         """This layer's split into the global cache and the ring buffer (``CacheLayout``)."""
@@ -275,7 +275,7 @@ def attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, o_proj, window_sizes, *, q_norm, k_n
            return_logit_stats=False):
     """The layer after the q/k/v projections: QK-norm, RoPE, ``ls_attention``, ``o_proj``.
 
-    Shared by this NNX layer and the Linen one (ls_jax/linen.py); ``q_norm``/``k_norm``/``o_proj``
+    Shared by this NNX layer and the Linen one (ls_jax/interop/linen.py); ``q_norm``/``k_norm``/``o_proj``
     are callables of either library (``q_norm`` None: no QK-norm).
     """
     B, T, H, D = q_BxTxHxD.shape

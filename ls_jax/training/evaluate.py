@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ls_jax import data as data_lib
+from ls_jax.inputs import pipeline as data_lib
 from ls_jax import sharding as sharding_lib
 from ls_jax.config import Config
-from ls_jax.loss import lm_loss
-from ls_jax.metrics import logit_norm_summary
-from ls_jax.rundir import RunDir, write_atomically
-from ls_jax.state import restore_model
-from ls_jax.tokenizer import make_tokenizer
+from ls_jax.training.loss import lm_loss
+from ls_jax.training.metrics import logit_norm_summary
+from ls_jax.training.rundir import RunDir, write_atomically
+from ls_jax.training.state import restore_model
+from ls_jax.inputs.tokenizer import make_tokenizer
 
 _EVAL_FNS: dict[Any, Any] = {}
 # exp(loss) is a float64 up to this loss; a larger one (a diverged model) has no perplexity

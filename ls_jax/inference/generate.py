@@ -1,6 +1,6 @@
 """Text generation with a KV cache: batched, chunked prefill, then a jitted decode loop.
 
-    from ls_jax.generate import generate
+    from ls_jax.inference.generate import generate
     result = generate(model, [prompt_ids_a, prompt_ids_b], max_new_tokens=64,
                       temperature=0.8, top_k=40, top_p=0.95, seed=0, end_id=0)
     result.tokens  # list of int32 arrays: the new tokens of each prompt (end id excluded)
@@ -8,7 +8,7 @@
 Prompts of different lengths share one batch, **right-padded**: every row keeps positions
 0, 1, ... (as if decoded alone), padding sits after a row's last prompt token where causal
 attention keeps it out of every real query, and the cache only ever serves slots below each
-row's length (``ls_jax/kv_cache.py``). The prompt goes through the model in chunks of
+row's length (``ls_jax/layers/kv_cache.py``). The prompt goes through the model in chunks of
 ``chunk_size`` tokens: the first chunk with ``ls_attention`` (the full-sequence kernel of the
 model's backend), later chunks reading the cache through ``kernels.decode.cached_attention``.
 Then one token per row and step: a ``jax.lax.while_loop`` that samples, stops at
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ls_jax.kv_cache import KVCache
+from ls_jax.layers.kv_cache import KVCache
 
 
 @dataclasses.dataclass

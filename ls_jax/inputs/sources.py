@@ -16,7 +16,7 @@ matches a single file is split by position instead: its last ``validation_percen
 (from the next line start) are the validation document, the rest the training document. A
 split whose files are all empty is an error.
 
-Both the input pipeline (``ls_jax.data``) and the tokenizer trainer (``ls_jax.tokenizer``) read
+Both the input pipeline (``ls_jax.inputs.pipeline``) and the tokenizer trainer (``ls_jax.inputs.tokenizer``) read
 documents through this module.
 """
 

@@ -9,11 +9,11 @@ import optax
 from flax import nnx
 
 from ls_jax import sharding as sharding_lib
-from ls_jax.checkpoint import Checkpointer
+from ls_jax.training.checkpoint import Checkpointer
 from ls_jax.config import Config, MeshConfig
-from ls_jax.model import Transformer
-from ls_jax.optimizer import make_optimizer
-from ls_jax.rundir import RunDir
+from ls_jax.layers.transformer import Transformer
+from ls_jax.training.optimizer import make_optimizer
+from ls_jax.training.rundir import RunDir
 
 
 def create_model_and_optimizer(cfg: Config, *, seed: int | None = None,
@@ -27,7 +27,7 @@ def create_model_and_optimizer(cfg: Config, *, seed: int | None = None,
     (see ``init_key``): a key built from a Python int inside the traced function is a
     constant, and XLA then constant-folds the random initialisation of every parameter at
     compile time. The blocks draw each parameter once for all layers
-    (``ls_jax.model.init_blocks``): the random-number code to compile does not grow with depth.
+    (``ls_jax.layers.transformer.init_blocks``): the random-number code to compile does not grow with depth.
     """
     if key is None:
         key = init_key(cfg, seed)

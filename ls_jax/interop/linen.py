@@ -1,11 +1,11 @@
 """``LSAttention`` as a Flax Linen module, for projects built on ``flax.linen``.
 
 Same arguments, parameter tree (names and shapes) and numerics as the NNX layer
-``ls_jax.LSAttention`` (ls_jax/attention.py): ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
+``ls_jax.LSAttention`` (ls_jax/layers/attention.py): ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
 (each ``kernel`` [in, out] and, with ``use_bias``, ``bias``) and, with ``qk_norm``, ``q_norm`` /
 ``k_norm`` (``scale`` [head_dim]). A parameter tree converts between the two by renaming nothing.
 
-    from ls_jax.linen import LSAttention
+    from ls_jax.interop.linen import LSAttention
     layer = LSAttention(d_model=192, n_head=6, head_dim=32, n_global_heads=1, window=51)
     params = layer.init(jax.random.key(0), x_BxTxM)
     y_BxTxM = layer.apply(params, x_BxTxM)
@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ls_jax.attention import attend, check_input, layer_spec
+from ls_jax.layers.attention import attend, check_input, layer_spec
 
 
 class LSAttention(nn.Module):

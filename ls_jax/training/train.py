@@ -4,7 +4,7 @@ evaluation, orbax checkpoints, automatic resume, SIGTERM handling and NaN stops.
 ``train(cfg, workdir)`` is what ``train.py`` runs; tests call it directly. It reads as its
 steps: check the config, claim the run directory, restore or initialise the state, run the
 step loop (each step's metrics checked and logged, checkpoints saved, periodic evals), commit
-the last checkpoint, and a final eval. The step and its jitted functions are ``ls_jax.step``'s.
+the last checkpoint, and a final eval. The step and its jitted functions are ``ls_jax.training.step``'s.
 
 SIGTERM and SIGINT (Ctrl-C) ask for a stop throughout (``_Stopper``): during start-up the run
 stops before its first step, in the loop after the current step (saved first), in the final
@@ -30,20 +30,20 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from ls_jax import data as data_lib
+from ls_jax.inputs import pipeline as data_lib
 from ls_jax import sharding as sharding_lib
-from ls_jax.checkpoint import CheckpointError, Checkpointer, DataLayout
+from ls_jax.training.checkpoint import CheckpointError, Checkpointer, DataLayout
 from ls_jax.config import Config
-from ls_jax.evaluate import evaluate_model, format_perplexity
-from ls_jax.gc_pause import collection_paused
-from ls_jax.metrics import MetricsWriter, logit_norm_summary
-from ls_jax.model import count_params
-from ls_jax.profiler import StepProfiler
-from ls_jax.rundir import RunDir
-from ls_jax.sources import load_split
-from ls_jax.state import init_key
-from ls_jax.step import STATS_KEYS, TrainFns, check_batch_split, compile_train_fns
-from ls_jax.tokenizer import make_tokenizer
+from ls_jax.training.evaluate import evaluate_model, format_perplexity
+from ls_jax.training.gc_pause import collection_paused
+from ls_jax.training.metrics import MetricsWriter, logit_norm_summary
+from ls_jax.layers.transformer import count_params
+from ls_jax.training.profiler import StepProfiler
+from ls_jax.training.rundir import RunDir
+from ls_jax.inputs.sources import load_split
+from ls_jax.training.state import init_key
+from ls_jax.training.step import STATS_KEYS, TrainFns, check_batch_split, compile_train_fns
+from ls_jax.inputs.tokenizer import make_tokenizer
 
 # A second signal waits this long for a checkpoint being written (a save of a small model
 # commits well within it), then ends the process anyway: a stop asked twice is never long.

@@ -1,7 +1,7 @@
 """``jax.export`` of programs that call our kernels, for a GPU or a TPU, from any machine.
 
     import jax
-    from ls_jax.export import export
+    from ls_jax.interop.export import export
     exported = export(jax.jit(fn), platforms=("cuda",), gpu=TARGET_DEVICE_KIND)(*args)
     exported.serialize()  # bytes (needs the flatbuffers package); jax.export.deserialize(...)
 

@@ -1,17 +1,17 @@
 """Parameters as safetensors files: of any NNX module (or Linen parameter tree) holding our
 layers, and of a trained model's run directory.
 
-    from ls_jax.weights import load_params, save_params
+    from ls_jax.interop.weights import load_params, save_params
     save_params(my_model, "my_model.safetensors")   # any nnx.Module: its nnx.Param values
     load_params(my_model, "my_model.safetensors")   # into a module of the same structure
 
-    from ls_jax.weights import load_weights, save_weights
+    from ls_jax.interop.weights import load_weights, save_weights
     save_weights("runs/tiny", "tiny.safetensors")        # the latest checkpoint's parameters
     model, cfg, step = load_weights("tiny.safetensors")  # a Transformer, ready to call
 
 The file holds one tensor per parameter, named by its path in the model, joined with dots
 (``embed.embedding``, ``blocks.0.attn.q_proj.kernel``, ``blocks.0.ln1.scale``,
-``ln_f.scale``, ...): the attribute names of the module (for ``ls_jax.model.Transformer``, the
+``ln_f.scale``, ...): the attribute names of the module (for ``ls_jax.layers.transformer.Transformer``, the
 keys of ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``; for a Linen tree, its dict keys), so
 they change only when the model's code does. Kernels are stored as the model holds them
 ([in, out]; e.g. ``q_proj.kernel`` is [d_model, n_head * head_dim]), in the parameters'
@@ -137,7 +137,7 @@ def save_weights(workdir: str, path: str, step: int | None = None) -> int:
     """Writes the parameters of checkpoint ``step`` (None: the latest) of the run in
     ``workdir`` to the safetensors file ``path`` (replaced whole: a failed write leaves no
     partial file); returns the step."""
-    from ls_jax.sample import load_model
+    from ls_jax.inference.sample import load_model
 
     model, cfg, step = load_model(workdir, step)
     _write(parameters(model), path,
@@ -153,14 +153,14 @@ def load_weights(path: str):
     from safetensors import safe_open
 
     from ls_jax.config import Config
-    from ls_jax.model import Transformer
+    from ls_jax.layers.transformer import Transformer
 
     _safetensors()
     with safe_open(path, framework="numpy") as f:
         metadata = f.metadata() or {}
     if metadata.get("format") != FORMAT:
         raise ValueError(
-            f"weights: expected a file written by ls_jax.weights.save_weights (metadata format "
+            f"weights: expected a file written by ls_jax.interop.weights.save_weights (metadata format "
             f"{FORMAT!r}), got {path} with format {metadata.get('format')!r}")
     cfg = Config.from_dict(json.loads(metadata["config"]))
     model = Transformer(cfg.model, rngs=nnx.Rngs(params=0))

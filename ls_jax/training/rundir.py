@@ -3,11 +3,11 @@
 Layout of ``<workdir>`` (``train.py --workdir``, ``eval.py --checkpoint``)::
 
     config.json                       the resolved Config; fixes the run's identity
-    checkpoints/<step>/               orbax: state/ checksums/ data/ data_meta/ (ls_jax.checkpoint)
-    metrics.jsonl                     one JSON record per logged step (see ls_jax.metrics)
+    checkpoints/<step>/               orbax: state/ checksums/ data/ data_meta/ (ls_jax.training.checkpoint)
+    metrics.jsonl                     one JSON record per logged step (see ls_jax.training.metrics)
     metrics.jsonl.old                 the log of an earlier run that was started over
     tensorboard/                      the same numbers as TensorBoard event files
-    tensorboard/plugins/profile/      JAX profiler traces of train.profile_steps (ls_jax.profiler)
+    tensorboard/plugins/profile/      JAX profiler traces of train.profile_steps (ls_jax.training.profiler)
     eval_step<S>_<split>_T<T>_B<B>_<all|first<K>>[_o<hash>].json   eval.py's results, one file
                                       per evaluation (<hash>: of its overrides)
     status.json                       the state of a run driven by an experiment

@@ -1,4 +1,4 @@
-"""Sample text from a trained run: ``python -m ls_jax.sample --checkpoint DIR --prompt "..."``.
+"""Sample text from a trained run: ``python -m ls_jax.inference.sample --checkpoint DIR --prompt "..."``.
 
 The run directory gives the config (``config.json``) and with it the tokenizer; only the model
 parameters are read from the checkpoint (the optimizer state stays on disk). Prints the
@@ -26,18 +26,18 @@ def default_new_tokens(model_cfg, prompt_len: int) -> int:
 
 def load_model(workdir: str, step: int | None = None):
     """(model, Config, step) of the run in ``workdir``: the model's parameters only (the
-    optimizer state stays on disk; ``ls_jax.state.restore_model``)."""
-    from ls_jax.rundir import RunDir
-    from ls_jax.state import restore_model
+    optimizer state stays on disk; ``ls_jax.training.state.restore_model``)."""
+    from ls_jax.training.rundir import RunDir
+    from ls_jax.training.state import restore_model
 
     cfg, step, model = restore_model(RunDir(workdir), step)
     return model, cfg, step
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The sampling command line (``python -m ls_jax.sample``, ``ls-jax-sample``)."""
+    """The sampling command line (``python -m ls_jax.inference.sample``, ``ls-jax-sample``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m ls_jax.sample",
+        prog="python -m ls_jax.inference.sample",
         description="Generate text with a model trained by train.py (KV-cache decoding).")
     parser.add_argument("--checkpoint", required=True, help="the run directory (train --workdir)")
     parser.add_argument("--prompt", required=True, help="the text to continue")
@@ -62,13 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import jax.numpy as jnp
 
-        from ls_jax.checkpoint import CheckpointError
-        from ls_jax.generate import generate
-        from ls_jax.rundir import RunDir
-        from ls_jax.tokenizer import make_tokenizer
+        from ls_jax.training.checkpoint import CheckpointError
+        from ls_jax.inference.generate import generate
+        from ls_jax.training.rundir import RunDir
+        from ls_jax.inputs.tokenizer import make_tokenizer
     except ModuleNotFoundError as e:  # not the venv, or no [train] extra: one line, exit 2
         from ls_jax.run_hint import how_to_run
-        print(how_to_run(e, ["-m", "ls_jax.sample", *(sys.argv[1:] if argv is None else argv)],
+        print(how_to_run(e, ["-m", "ls_jax.inference.sample", *(sys.argv[1:] if argv is None else argv)],
                          "sample", "sampling"), file=sys.stderr)
         return 2
 

@@ -1,6 +1,6 @@
 """LS-attention as the ``attention_fn`` of Flax's own attention layers.
 
-    from ls_jax.attention_fn import make_attention_fn
+    from ls_jax.interop.attention_fn import make_attention_fn
     fn = make_attention_fn((None, 51, 51, 51))              # one window per head
     nnx.MultiHeadAttention(num_heads=4, in_features=128, attention_fn=fn, decode=False, rngs=...)
         (x, is_causal=True)
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ls_jax.attention import check_backend
+from ls_jax.layers.attention import check_backend
 from ls_jax.kernels import ls_attention, normalize_window_sizes
 
 
@@ -100,7 +100,7 @@ def make_attention_fn(window_sizes: Sequence[int | None], implementation: str | 
                 f"self-attention over the whole sequence), got key {tuple(key.shape)}, value "
                 f"{tuple(value.shape)}: a decode cache (decode=True) is not supported by this "
                 "attention_fn; call the layer with decode=False, or decode with "
-                "ls_jax.LSAttention and its KV cache (ls_jax.generate)")
+                "ls_jax.LSAttention and its KV cache (ls_jax.inference.generate)")
         if not is_causal:
             raise ValueError(
                 "is_causal: expected True (this attention_fn is causal LS-attention; call "

@@ -1,6 +1,6 @@
 """Input pipeline: documents -> tokens -> packed fixed-length sequences -> batches (grain).
 
-Documents come from ``ls_jax.sources``. ``make_dataset`` builds the training/eval pipeline
+Documents come from ``ls_jax.inputs.sources``. ``make_dataset`` builds the training/eval pipeline
 (see docs/data.md):
 
     documents -> shard (per process) -> shuffle documents (seeded, new order each epoch)
@@ -23,8 +23,8 @@ import grain
 import numpy as np
 
 from ls_jax.config import DataConfig
-from ls_jax.sources import load_split
-from ls_jax.tokenizer import Tokenizer, make_tokenizer
+from ls_jax.inputs.sources import load_split
+from ls_jax.inputs.tokenizer import Tokenizer, make_tokenizer
 
 
 # -- pipeline stages -----------------------------------------------------------------------

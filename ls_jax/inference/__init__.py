@@ -1,0 +1,1 @@
+"""Inference: ``generate`` (KV-cache decoding) and ``sample`` (the sampling CLI)."""

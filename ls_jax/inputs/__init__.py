@@ -1,0 +1,1 @@
+"""The input pipeline: ``sources`` (documents) -> ``tokenizer`` -> ``pipeline`` (batches)."""

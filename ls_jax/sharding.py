@@ -9,8 +9,8 @@ Mesh axes (``MeshConfig``; -1 = every device left over):
 * ``tensor``: attention heads and MLP hidden units split along it (Megatron style).
 
 The batch is split over ``("data", "fsdp")``. Parameters carry logical axis names
-(``nnx.with_partitioning`` in model.py / attention.py); ``LOGICAL_RULES`` maps them to mesh
-axes. A dimension that a mesh axis does not divide stays whole (replicated) along that axis.
+(``nnx.with_partitioning`` in layers/transformer.py and layers/attention.py);
+``LOGICAL_RULES`` maps them to mesh axes. A dimension that a mesh axis does not divide stays whole (replicated) along that axis.
 """
 
 from __future__ import annotations

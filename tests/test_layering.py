@@ -5,7 +5,10 @@ import statement, at module level or inside a function, and fails on
 
 * an import cycle between modules of the package, and
 * an upward import: ``ls_jax.kernels`` importing ``ls_jax`` outside ``ls_jax.kernels``, or the
-  library importing ``ls_jax.configs`` or the repository's experiments/bench/tests scripts.
+  library importing ``ls_jax.configs`` or the repository's experiments/bench/tests scripts, and
+* inside the library, an import against the order of its parts (``PARTS``: config <- sharding
+  <- layers, inputs <- training <- inference <- interop; parts of one rank do not import each
+  other), or a module that belongs to no part.
 
 The same checks run on small synthetic module graphs first, so the test is known to fail when
 it should.
@@ -22,6 +25,15 @@ PACKAGE_DIRS = {"ls_jax": "ls_jax", "kernels": "ls_jax.kernels"}
 KERNELS = "ls_jax.kernels"
 # what the library must never import: the layer above it and the repository's scripts
 ABOVE_LIBRARY = ("ls_jax.configs", "configs", "experiments", "bench", "tests", "train", "eval")
+# the library's parts, lowest first: a module imports its own part and lower ranks only
+PARTS = (
+    ("ls_jax.config",),                  # the typed settings
+    ("ls_jax.sharding",),                # the mesh and how arrays lie on it
+    ("ls_jax.layers", "ls_jax.inputs"),  # the model; documents -> tokens -> batches
+    ("ls_jax.training",),                # state, step, loop, evaluation, run directory
+    ("ls_jax.inference",),               # decoding and sampling from a run
+    ("ls_jax.interop",),                 # other stacks (Linen, attention_fn), export, weights
+)
 
 
 def _within(name: str, prefix: str) -> bool:
@@ -118,6 +130,33 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return bad
 
 
+def part_of(module: str, parts=PARTS) -> tuple[int, str] | None:
+    """(rank, part) of the library part holding ``module``, or None."""
+    for rank, same_rank in enumerate(parts):
+        for part in same_rank:
+            if _within(module, part):
+                return rank, part
+    return None
+
+
+def part_order_violations(graph: dict[str, set[str]], parts=PARTS) -> list[str]:
+    """'importer -> imported' for every import inside the library against the parts' order, and
+    'module: in no part' for a library module outside every part (the package root excepted)."""
+    bad = []
+    for module, targets in sorted(graph.items()):
+        if module == "ls_jax" or _within(module, KERNELS) or not _within(module, "ls_jax"):
+            continue
+        own = part_of(module, parts)
+        if own is None:
+            bad.append(f"{module}: in no part")
+            continue
+        for target in sorted(targets):
+            other = part_of(target, parts)
+            if other is not None and other[1] != own[1] and other[0] >= own[0]:
+                bad.append(f"{module} -> {target}")
+    return bad
+
+
 # -- the checks on synthetic graphs: they must fail where they should -------------------------
 
 def test_checks_catch_a_cycle_hidden_in_a_function():
@@ -166,6 +205,24 @@ def test_relative_imports_resolve_against_the_package():
     assert upward_imports(graph) == ["ls_jax.kernels.api -> ls_jax"]
 
 
+def test_checks_catch_imports_against_the_parts_order():
+    sources = {
+        "ls_jax": "",
+        "ls_jax.config": "",
+        "ls_jax.layers.model": "from ls_jax.config import C\nfrom ls_jax.inputs import data\n",
+        "ls_jax.inputs.data": "from ls_jax.config import C\n",
+        "ls_jax.training.train": "from ls_jax.layers import model\nfrom ls_jax.inputs import data\n",
+        "ls_jax.config_extra": "import ls_jax.training.train\n",
+        "ls_jax.inference.sample": "from ls_jax.interop import weights\nimport ls_jax.kernels\n",
+        "ls_jax.interop.weights": "from ls_jax.inference import sample\n",
+    }
+    assert part_order_violations(import_graph(sources, {"ls_jax"})) == [
+        "ls_jax.config_extra: in no part",
+        "ls_jax.inference.sample -> ls_jax.interop.weights",
+        "ls_jax.layers.model -> ls_jax.inputs.data",
+    ]
+
+
 # -- the real package ---------------------------------------------------------------------------
 
 def test_the_package_is_read():
@@ -184,3 +241,9 @@ def test_no_import_cycles_in_the_package():
 def test_no_upward_imports_in_the_package():
     sources, packages = read_package_sources()
     assert upward_imports(import_graph(sources, packages)) == []
+
+
+def test_library_imports_follow_the_parts_order():
+    sources, packages = read_package_sources()
+    assert {part for same_rank in PARTS for part in same_rank} <= set(sources)
+    assert part_order_violations(import_graph(sources, packages)) == []

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ls_jax.config import ModelConfig
-from ls_jax.inference.generate import decode_loop_fn, decode_step_fn, prefill_chunk_fn
+from ls_jax.inference.generate import decode_loop_fn, decode_step, prefill_chunk_fn
 from ls_jax.kernels.decode import choose_decode_implementation
 from ls_jax.layers.transformer import Transformer, count_params
 
@@ -158,7 +158,9 @@ def run_decode(model, B: int, ctx: int, impl: str, args) -> dict:
                                                     x.dtype) for i, x in enumerate(layer)))
                    for l, layer in enumerate(shapes.layers))
     cache = shapes._replace(layers=layers, lengths_B=jnp.full((B,), ctx, jnp.int32))
-    fn = decode_step_fn(graphdef, decode_implementation=impl)
+    fn = jax.jit(lambda state, tokens_B, cache: decode_step(
+        nnx.merge(graphdef, state), tokens_B, cache, decode_implementation=impl),
+        donate_argnums=(2,))
     tokens = jax.random.randint(jax.random.key(2), (B,), 0, model.cfg.vocab_size)
     compiled = fn.lower(state, tokens, cache).compile()
     box = {"cache": cache}

@@ -11,10 +11,17 @@ import pytest
 from flax import nnx
 
 from ls_jax.config import ModelConfig
-from ls_jax.inference.generate import (decode_step_fn, generate, prefill_chunk_fn,
+from ls_jax.inference.generate import (decode_step, generate, prefill_chunk_fn,
                               prefill_compiler_options, sample_logits)
 from ls_jax.layers.kv_cache import CacheLayout, ring_positions
 from ls_jax.layers.transformer import Transformer
+
+
+def step_fn(graphdef, decode_implementation):
+    """jit: (state, tokens_B, cache) -> (logits_BxV, cache), one token per row."""
+    return jax.jit(lambda state, tokens_B, cache: decode_step(
+        nnx.merge(graphdef, state), tokens_B, cache, decode_implementation=decode_implementation),
+        donate_argnums=(2,))
 
 
 def tiny_model(seed=0, **kw):
@@ -43,7 +50,7 @@ def cached_logits(model, tokens_BxT, n_prefill, chunk, decode_implementation=Non
         stop = min(start + chunk, n_prefill)
         logits, cache = chunk_fn(state, tokens_BxT[:, start:stop], cache, start, c == 0)
         out.append(logits)
-    step = decode_step_fn(graphdef, decode_implementation=decode_implementation)
+    step = step_fn(graphdef, decode_implementation)
     for t in range(n_prefill, T):
         logits, cache = step(state, tokens_BxT[:, t], cache)
         out.append(logits[:, None])
@@ -110,7 +117,7 @@ def test_batch_rows_logits_equal_alone():
     cache = model.init_cache(3, 24, dtype=jnp.float32)
     logits, cache = prefill(model, [s[:n] for s, n in zip(seqs, plen)], cache, chunk_size=5)
     graphdef, state = nnx.split(model)
-    step = decode_step_fn(graphdef, decode_implementation=None)
+    step = step_fn(graphdef, None)
     got = [[logits[b]] for b in range(3)]
     for i in range(6):
         logits, cache = step(state, jnp.asarray([s[n + i] for s, n in zip(seqs, plen)]), cache)

@@ -112,21 +112,13 @@ def prefill_chunk_fn(graphdef, *, fresh: bool, decode_implementation: str | None
     return _FNS[key]
 
 
-def decode_step_fn(graphdef, *, decode_implementation: str | None):
-    """jit: (state, tokens_B, cache) -> (logits_BxV, cache): one new token per row, at
-    position cache.lengths_B."""
-    key = ("step", graphdef, decode_implementation)
-    if key not in _FNS:
-        def fn(state, tokens_B, cache):
-            model = nnx.merge(graphdef, state)
-            lengths_B = cache.lengths_B
-            logits_BxV, cache = model.decode(
-                tokens_B[:, None], cache, positions_BxC=lengths_B[:, None],
-                new_lengths_B=lengths_B + 1, logits_index_B=jnp.zeros_like(lengths_B),
-                decode_implementation=decode_implementation)
-            return logits_BxV, cache
-        _FNS[key] = jax.jit(fn, donate_argnums=(2,))
-    return _FNS[key]
+def decode_step(model, tokens_B, cache, *, decode_implementation: str | None):
+    """(logits_BxV, cache) after one new token per row, at position ``cache.lengths_B``: the
+    step of ``decode_loop_fn``'s loop (jit it with the cache donated to step on its own)."""
+    lengths_B = cache.lengths_B
+    return model.decode(tokens_B[:, None], cache, positions_BxC=lengths_B[:, None],
+                        new_lengths_B=lengths_B + 1, logits_index_B=jnp.zeros_like(lengths_B),
+                        decode_implementation=decode_implementation)
 
 
 def decode_loop_fn(graphdef, *, max_new_tokens: int, temperature: float, top_k, top_p,
@@ -153,11 +145,8 @@ def decode_loop_fn(graphdef, *, max_new_tokens: int, temperature: float, top_k, 
                 tokens_BxN = jax.lax.dynamic_update_slice(tokens_BxN, tok_B[:, None], (0, i))
                 if end_id is not None:
                     done_B = done_B | (tok_B == end_id)
-                lengths_B = cache.lengths_B
-                logits_BxV, cache = model.decode(
-                    jnp.maximum(tok_B, 0)[:, None], cache, positions_BxC=lengths_B[:, None],
-                    new_lengths_B=lengths_B + 1, logits_index_B=jnp.zeros_like(lengths_B),
-                    decode_implementation=decode_implementation)
+                logits_BxV, cache = decode_step(model, jnp.maximum(tok_B, 0), cache,
+                                                decode_implementation=decode_implementation)
                 return i + 1, logits_BxV, cache, tokens_BxN, done_B
 
             carry = (jnp.int32(0), logits_BxV, cache, tokens_BxN, jnp.zeros((B,), bool))

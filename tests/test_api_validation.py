@@ -63,7 +63,7 @@ def test_kv_head_count_is_one_check_everywhere():
     with pytest.raises(ValueError, match=layer):
         LinenAttention(d_model=16, n_head=4, head_dim=4, n_kv_head=3)
     with pytest.raises(ValueError, match=layer):
-        CacheLayout.build(W, n_head=4, n_kv_head=3, max_len=8)
+        CacheLayout.build(W, n_head=4, n_kv_head=3)
 
 
 # -- the layers and make_attention_fn: arguments at construction, input at the call -----------
@@ -122,6 +122,24 @@ def test_layers_refuse_a_wrong_input_at_the_call(library):
         call(good[0])
     with pytest.raises(ValueError, match=r"positions: expected int \[B=2, T=5\], got int32 \(2, 4\)"):
         call(good, positions=jnp.zeros((2, 4), jnp.int32))
+
+
+@pytest.mark.parametrize("tokens,positions,pattern", [
+    (jnp.zeros((2, 5), jnp.float32), None, r"tokens: expected int \[B, T\], got float32 \(2, 5\)"),
+    (jnp.zeros((5,), jnp.int32), None, r"tokens: expected int \[B, T\], got int32 \(5,\)"),
+    (jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 4), jnp.int32),
+     r"positions: expected int \[B=2, T=5\], got int32 \(2, 4\)"),
+], ids=["float_tokens", "one_row", "positions_shape"])
+def test_the_model_refuses_a_wrong_input_once_at_the_call(tokens, positions, pattern):
+    from flax import nnx
+
+    from ls_jax.config import ModelConfig
+    from ls_jax.layers.transformer import Transformer
+
+    model = Transformer(ModelConfig(vocab_size=16, n_layer=1, d_model=16, n_head=2, head_dim=8,
+                                    window=3, max_seq_len=8), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=pattern):
+        model(tokens, positions=positions)
 
 
 @pytest.mark.parametrize("args,kwargs,pattern", [

@@ -167,12 +167,12 @@ def test_generate_sampling_is_seeded():
 
 
 def test_layout_gqa_groups():
-    mixed = CacheLayout.build((None, 5, 5, 5), n_head=4, n_kv_head=2, max_len=100)
-    assert (mixed.global_kv, mixed.local_kv, mixed.ring_size) == ((0,), (1,), 5)
+    mixed = CacheLayout.build((None, 5, 5, 5), n_head=4, n_kv_head=2)
+    assert (mixed.global_kv, mixed.local_kv, mixed.ring_size(100)) == ((0,), (1,), 5)
     assert mixed.global_windows == (None, 5) and mixed.local_windows == (5, 5)
-    odd = CacheLayout.build((7, None, 3, 5), n_head=4, n_kv_head=4, max_len=4)
+    odd = CacheLayout.build((7, None, 3, 5), n_head=4, n_kv_head=4)
     assert odd.global_kv == (1,) and odd.local_kv == (0, 2, 3)
-    assert odd.q_order == (1, 0, 2, 3) and odd.ring_size == 4  # capped at max_len
+    assert odd.q_order == (1, 0, 2, 3) and odd.ring_size(4) == 4  # capped at max_len
     assert odd.q_inverse == (1, 0, 2, 3)
 
 

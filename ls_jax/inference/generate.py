@@ -211,12 +211,24 @@ def check_lengths(cfg, prompt_len: int, max_new_tokens: int, max_len: int | None
     return max_len
 
 
-def prefill(model: nnx.Module, prompts: list[np.ndarray], cache: KVCache, *,
-            chunk_size: int = 512, decode_implementation: str | None = None):
-    """Runs right-padded ``prompts`` through the model into an empty ``cache``, chunk by
-    chunk. Returns (float32 logits [B, vocab] at each prompt's last token, the cache)."""
+def _check_chunk_size(chunk_size) -> None:
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected an int >= 1, got {chunk_size!r}")
+
+
+def prefill(model: nnx.Module, prompts, cache: KVCache, *, chunk_size: int = 512,
+            decode_implementation: str | None = None):
+    """Runs right-padded ``prompts`` (as ``generate``'s ``prompt_tokens``) through the model
+    into an empty ``cache``, chunk by chunk. Returns (float32 logits [B, vocab] at each
+    prompt's last token, the cache)."""
+    _check_chunk_size(chunk_size)
+    return _prefill(model, _as_prompts(prompts, model.cfg.vocab_size), cache, chunk_size,
+                    decode_implementation)
+
+
+def _prefill(model, prompts: list[np.ndarray], cache: KVCache, chunk_size: int,
+             decode_implementation: str | None):
+    """``prefill`` of checked prompts (int32 1-D arrays of ids in the vocabulary)."""
     lengths = np.array([len(p) for p in prompts], np.int32)
     longest = int(lengths.max())
     C = min(chunk_size, longest)
@@ -262,13 +274,13 @@ def generate(model: nnx.Module, prompt_tokens, *, max_new_tokens: int,
         raise ValueError(f"top_p: expected None or a float in (0, 1], got {top_p!r}")
     if end_id is not None and not (isinstance(end_id, int) and 0 <= end_id < cfg.vocab_size):
         raise ValueError(f"end_id: expected None or an id in [0, {cfg.vocab_size}), got {end_id!r}")
+    _check_chunk_size(chunk_size)
     longest = max(len(p) for p in prompts)
     max_len = check_lengths(cfg, longest, max_new_tokens, max_len)
 
     t0 = time.perf_counter()
     cache = model.init_cache(len(prompts), max_len, dtype=cache_dtype)
-    logits_BxV, cache = prefill(model, prompts, cache, chunk_size=chunk_size,
-                                decode_implementation=decode_implementation)
+    logits_BxV, cache = _prefill(model, prompts, cache, chunk_size, decode_implementation)
     jax.block_until_ready(logits_BxV)
     t1 = time.perf_counter()
     graphdef, state = nnx.split(model)

@@ -49,16 +49,16 @@ class LSAttention(nn.Module):
     out_init_std: float | None = None
 
     def __post_init__(self):
-        self._spec()  # a bad argument fails here, not at the first call
+        # checked and normalised once, when the module is made (a bad argument fails here, not
+        # at the first call); setup, which runs at every init/apply, reads the result
+        object.__setattr__(self, "_layer", layer_spec(
+            self.d_model, self.n_head, self.head_dim, self.n_kv_head, self.n_global_heads,
+            self.window, self.window_sizes, self.rope_theta, self.implementation,
+            self.interpret))
         super().__post_init__()
 
-    def _spec(self):
-        return layer_spec(self.d_model, self.n_head, self.head_dim, self.n_kv_head,
-                          self.n_global_heads, self.window, self.window_sizes, self.rope_theta,
-                          self.implementation, self.interpret)
-
     def setup(self):
-        self._windows, n_kv_head = self._spec()
+        self._windows, n_kv_head = self._layer
         self._kv_heads = n_kv_head
         init = nn.initializers.normal(self.init_std)
         out_init = nn.initializers.normal(

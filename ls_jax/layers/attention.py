@@ -107,7 +107,8 @@ class LSAttention(nnx.Module):
       implementation: kernels.ls_attention backend (None: best for the platform).
       interpret: run a Pallas backend in interpret mode (CPU); needs ``implementation``
         "pallas_gpu", "pallas_tpu" or "split".
-    Every argument is checked here, the input at each call (one line naming it).
+    Every argument is checked here, the input at each call (one line naming it); ``forward``
+    is the call without the input checks, for a caller that checked them (``Block``).
     """
 
     def __init__(self, d_model: int, n_head: int, head_dim: int, *, n_kv_head: int | None = None,
@@ -145,6 +146,8 @@ class LSAttention(nnx.Module):
                                         param_dtype=param_dtype, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
+        # the split into the global cache and the ring buffer, for decoding with a KV cache
+        self.cache_layout = CacheLayout.build(self.window_sizes, n_head, n_kv_head)
 
     def __call__(self, x_BxTxM: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, return_logit_stats: bool = False,
@@ -159,11 +162,19 @@ class LSAttention(nnx.Module):
         if (cache is None) != (step is None):
             raise ValueError("cache, step: expected both (a cached call) or neither, got "
                              f"cache={type(cache).__name__}, step={type(step).__name__}")
+        if cache is not None and (positions is None or segment_ids is not None
+                                  or return_logit_stats):
+            raise ValueError("cache: a cached call takes positions, and neither segment_ids "
+                             "nor return_logit_stats")
+        return self.forward(x_BxTxM, positions=positions, segment_ids=segment_ids,
+                            return_logit_stats=return_logit_stats, cache=cache, step=step)
+
+    def forward(self, x_BxTxM: jax.Array, *, positions=None, segment_ids=None,
+                return_logit_stats: bool = False, cache: LayerCache | None = None,
+                step: CacheStep | None = None):
+        """``__call__`` on inputs its checks passed."""
         q_BxTxHxD, k_BxTxGxD, v_BxTxGxD = self.project(x_BxTxM)
         if cache is not None:
-            if positions is None or segment_ids is not None or return_logit_stats:
-                raise ValueError("cache: a cached call takes positions, and neither segment_ids "
-                                 "nor return_logit_stats")
             return self.attend_cached(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, cache, positions, step)
         return attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, self.o_proj, self.window_sizes,
                       q_norm=self.q_norm, k_norm=self.k_norm, rope_theta=self.rope_theta,
@@ -180,10 +191,6 @@ class LSAttention(nnx.Module):
 
     # -- decoding with a KV cache (ls_jax/layers/kv_cache.py, ls_jax/inference/generate.py) ----------------------
 
-    def cache_layout(self, max_len: int):
-        """This layer's split into the global cache and the ring buffer (``CacheLayout``)."""
-        return CacheLayout.build(self.window_sizes, self.n_head, self.n_kv_head, max_len)
-
     def attend_cached(self, q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, cache: LayerCache, positions_BxC,
                       step: CacheStep):
         """Attention of C new tokens per row (projected) that also writes them into ``cache``.
@@ -195,7 +202,7 @@ class LSAttention(nnx.Module):
         read only their ring buffer). Returns (y [B, C, d_model], the updated LayerCache).
         """
         B, C = q_BxCxHxD.shape[:2]
-        layout = self.cache_layout(cache.k_global.shape[1])
+        layout = self.cache_layout
         q_BxCxHxD, k_BxCxGxD = norm_and_rope(
             q_BxCxHxD, k_BxCxGxD, positions_BxC, q_norm=self.q_norm, k_norm=self.k_norm,
             rope_theta=self.rope_theta, dtype=self.dtype)
@@ -235,7 +242,7 @@ class LSAttention(nnx.Module):
             k_read = jnp.concatenate([old.k_local, k_loc.astype(old.k_local.dtype)], 1)
             v_read = jnp.concatenate([old.v_local, v_loc.astype(old.v_local.dtype)], 1)
             k_pos = jnp.concatenate(
-                [ring_positions(step.old_lengths_B, layout.ring_size), q_pos_BxC], 1)
+                [ring_positions(step.old_lengths_B, old.k_local.shape[1]), q_pos_BxC], 1)
             parts.append(cached_attention(
                 q_sorted[:, :, n_qg:], k_read, v_read, q_pos_BxC, k_pos, layout.local_windows,
                 implementation=step.decode_implementation))

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ls_jax.kernels import normalize_window_sizes
 from ls_jax.kernels.decode import CacheGroup
 from ls_jax.kernels.heads import kv_group_size, split_heads, take_heads
 
@@ -38,7 +37,11 @@ class CacheLayout:
       (within a group the r = Hq // Hkv query heads of one kv head stay together, so the group
       is itself a GQA layout).
     global_windows / local_windows: the windows of those query heads, in q_order.
-    ring_size: P, slots of the ring buffer (0 without local kv heads).
+    ring_window: the largest window of the local query heads (0 without local kv heads); a
+      cache of T_max positions gives the ring ``ring_size(T_max)`` slots.
+
+    One layout per layer, built once from the layer's validated arguments (``LSAttention``);
+    nothing on the decoding path builds or checks it again.
     """
 
     n_head: int
@@ -48,18 +51,23 @@ class CacheLayout:
     q_order: tuple[int, ...]
     global_windows: tuple[int | None, ...]
     local_windows: tuple[int, ...]
-    ring_size: int
+    ring_window: int
 
     @classmethod
-    def build(cls, window_sizes, n_head: int, n_kv_head: int, max_len: int) -> "CacheLayout":
-        windows = normalize_window_sizes(window_sizes, n_head)
+    def build(cls, windows: tuple[int | None, ...], n_head: int, n_kv_head: int) -> "CacheLayout":
+        """The layout of a layer's per-head ``windows`` (normalised: one int >= 1 or None per
+        query head) over ``n_kv_head`` kv heads."""
         r = kv_group_size(n_head, n_kv_head)
         global_kv, local_kv = split_heads(windows).kv_split(n_kv_head)
         q_global = tuple(h for g in global_kv for h in range(g * r, (g + 1) * r))
         q_local = tuple(h for g in local_kv for h in range(g * r, (g + 1) * r))
-        ring = min(max(windows[h] for h in q_local), max_len) if q_local else 0
+        ring = max(windows[h] for h in q_local) if q_local else 0
         return cls(n_head, n_kv_head, global_kv, local_kv, q_global + q_local,
                    tuple(windows[h] for h in q_global), tuple(windows[h] for h in q_local), ring)
+
+    def ring_size(self, max_len: int) -> int:
+        """P, slots of the ring buffer in a cache of ``max_len`` positions."""
+        return min(self.ring_window, max_len)
 
     @property
     def q_inverse(self) -> tuple[int, ...]:
@@ -112,7 +120,7 @@ def init_cache(layouts, batch_size: int, max_len: int, head_dim: int,
     layers = []
     for lay in layouts:
         g = (batch_size, max_len, len(lay.global_kv), head_dim)
-        l = (batch_size, lay.ring_size, len(lay.local_kv), head_dim)
+        l = (batch_size, lay.ring_size(max_len), len(lay.local_kv), head_dim)
         layers.append(LayerCache(jnp.zeros(g, dtype), jnp.zeros(g, dtype), jnp.zeros(l, dtype),
                                  jnp.zeros(l, dtype)))
     return KVCache(tuple(layers), jnp.zeros((batch_size,), jnp.int32))
@@ -189,7 +197,7 @@ def decode_groups(layout: CacheLayout, cache: LayerCache, positions_B,
                                  global_positions(old_lengths_B, cache.k_global.shape[1]),
                                  positions_B, layout.global_kv))
     if layout.local_kv:
-        P = layout.ring_size
+        P = cache.k_local.shape[1]
         groups.append(CacheGroup(cache.k_local, cache.v_local, ring_positions(old_lengths_B, P),
                                  jnp.mod(positions_B, P), layout.local_kv))
     return groups

@@ -25,6 +25,20 @@ def _dtype(name: str):
     return jnp.dtype(name)
 
 
+def check_tokens(tokens_BxT, positions=None) -> None:
+    """One line for tokens that are not int [B, T] or positions that are not int [B, T]: the
+    model's input, checked once per call (the blocks and their attention trust it)."""
+    shape = tuple(getattr(tokens_BxT, "shape", ()))
+    dtype = getattr(tokens_BxT, "dtype", None)
+    if len(shape) != 2 or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(f"tokens: expected int [B, T], got {dtype or type(tokens_BxT).__name__} "
+                         f"{shape}")
+    if positions is not None and (tuple(positions.shape) != shape
+                                  or not jnp.issubdtype(positions.dtype, jnp.integer)):
+        raise ValueError(f"positions: expected int [B={shape[0]}, T={shape[1]}], got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+
+
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, out_init_std: float, rngs: nnx.Rngs):
         hidden = cfg.mlp_ratio * cfg.d_model
@@ -71,9 +85,9 @@ class Block(nnx.Module):
         only then); with ``cache`` and ``step`` the tokens at ``positions`` attend over this
         layer's KV cache and are written into it (``LSAttention.__call__``).
         """
-        h = self.attn(self.ln1(x_BxTxM).astype(self.compute_dtype), positions=positions,
-                      segment_ids=segment_ids, return_logit_stats=return_logit_stats,
-                      cache=cache, step=step)
+        h = self.attn.forward(self.ln1(x_BxTxM).astype(self.compute_dtype), positions=positions,
+                              segment_ids=segment_ids, return_logit_stats=return_logit_stats,
+                              cache=cache, step=step)
         stats_H = None
         if cache is not None:
             h, cache = h
@@ -143,6 +157,7 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BxT: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, return_stats: bool = False):
         cfg = self.cfg
+        check_tokens(tokens_BxT, positions)
         B, T = tokens_BxT.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -191,14 +206,10 @@ class Transformer(nnx.Module):
 
     # -- decoding with a KV cache (ls_jax/inference/generate.py) ---------------------------------------
 
-    def cache_layouts(self, max_len: int):
-        """The ``CacheLayout`` of every layer for a cache of ``max_len`` positions."""
-        return tuple(block.attn.cache_layout(max_len) for block in self.blocks)
-
     def init_cache(self, batch_size: int, max_len: int, dtype=jnp.bfloat16):
         """An empty ``KVCache`` for ``batch_size`` rows of up to ``max_len`` positions."""
-        return init_cache(self.cache_layouts(max_len), batch_size, max_len, self.cfg.head_dim,
-                          dtype)
+        return init_cache(tuple(block.attn.cache_layout for block in self.blocks), batch_size,
+                          max_len, self.cfg.head_dim, dtype)
 
     def decode(self, tokens_BxC: jax.Array, cache, *, positions_BxC: jax.Array,
                new_lengths_B: jax.Array, fresh: bool = False,

@@ -255,3 +255,27 @@ def test_prefill_writes_q_k_v_as_three_products_not_slices_of_one():
     assert prefill_compiler_options() is not None
     assert slices(merged) == 3 * model.cfg.n_layer  # what the option is for: still true of XLA
     assert slices(fn.lower(*args).compile().as_text()) == 0
+
+
+def test_a_fresh_prefill_chunk_is_partitioned_like_training(monkeypatch):
+    """Under a mesh, the first prefill chunk's kernel call gets the partition spec of the
+    training forward's (one kernel call per shard), not a whole-array call."""
+    from ls_jax import sharding
+    from ls_jax.inference.generate import prefill
+    from ls_jax.layers import attention as attention_lib
+
+    specs = []
+    kernel = attention_lib.ls_attention
+
+    def recording(*args, partition_spec=None, **kwargs):
+        specs.append(partition_spec)
+        return kernel(*args, partition_spec=partition_spec, **kwargs)
+
+    monkeypatch.setattr(attention_lib, "ls_attention", recording)
+    model = tiny_model()
+    with jax.set_mesh(sharding.make_mesh(devices=jax.devices()[:1])):
+        model(jnp.zeros((2, 8), jnp.int32))
+        training = specs[-1]
+        prefill(model, [[1, 2, 3], [4, 5]], model.init_cache(2, 16, dtype=jnp.float32),
+                chunk_size=8)
+    assert training is not None and specs[-1] == training

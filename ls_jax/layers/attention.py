@@ -213,9 +213,9 @@ class LSAttention(nnx.Module):
             return self.o_proj(out_BxHxD.reshape(B, 1, self.n_head * self.head_dim)), new_cache
         new_cache = write_layer(cache, layout, k_BxCxGxD, v_BxCxGxD, positions_BxC, step)
         if step.fresh:
-            out_BxCxHxD = ls_attention(q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, self.window_sizes,
-                                       implementation=self.implementation,
-                                       interpret=self.interpret)
+            out_BxCxHxD = kernel_attention(q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, self.window_sizes,
+                                           implementation=self.implementation,
+                                           interpret=self.interpret)
         else:
             out_BxCxHxD = self._read_cache(q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, layout, cache,
                                            new_cache, positions_BxC, step)
@@ -277,6 +277,17 @@ def norm_and_rope(q_BxTxHxD, k_BxTxGxD, positions_BxT, *, q_norm, k_norm, rope_t
     return q_BxTxHxD, k_BxTxGxD
 
 
+def kernel_attention(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, window_sizes, *, implementation,
+                     interpret=False, segment_ids=None, return_logit_stats=False):
+    """The full-sequence ``ls_attention`` call of training, evaluation and a fresh prefill
+    chunk: one kernel call per shard, laid out as the model's mesh lays out heads and batch."""
+    B, _, H, _ = q_BxTxHxD.shape
+    return ls_attention(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, window_sizes, segment_ids=segment_ids,
+                        return_logit_stats=return_logit_stats, implementation=implementation,
+                        interpret=interpret,
+                        partition_spec=attention_spec(B, H, k_BxTxGxD.shape[2]))
+
+
 def attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, o_proj, window_sizes, *, q_norm, k_norm, rope_theta,
            dtype, implementation, interpret=False, positions=None, segment_ids=None,
            return_logit_stats=False):
@@ -290,12 +301,9 @@ def attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, o_proj, window_sizes, *, q_norm, k_n
         positions = jnp.broadcast_to(jnp.arange(T), (B, T))
     q_BxTxHxD, k_BxTxGxD = norm_and_rope(q_BxTxHxD, k_BxTxGxD, positions, q_norm=q_norm,
                                          k_norm=k_norm, rope_theta=rope_theta, dtype=dtype)
-    # one kernel call per shard, laid out as the model's mesh lays out heads and batch
-    result = ls_attention(
-        q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, window_sizes, segment_ids=segment_ids,
-        return_logit_stats=return_logit_stats, implementation=implementation,
-        interpret=interpret,
-        partition_spec=attention_spec(B, H, k_BxTxGxD.shape[2]))
+    result = kernel_attention(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, window_sizes,
+                              segment_ids=segment_ids, return_logit_stats=return_logit_stats,
+                              implementation=implementation, interpret=interpret)
     out_BxTxHxD = result[0] if return_logit_stats else result
     y_BxTxM = o_proj(out_BxTxHxD.reshape(B, T, H * D))
     if return_logit_stats:

@@ -165,18 +165,11 @@ class Transformer(nnx.Module):
             raise ValueError(
                 f"tokens: sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len} of the "
                 f"learned position table")
-        x_BxTxM = self.embed(tokens_BxT).astype(jnp.float32)
-        if self.pos_embed is not None:
-            x_BxTxM = x_BxTxM + self.pos_embed(positions).astype(jnp.float32)
-        x_BxTxM = constrain_batch(x_BxTxM)  # the residual stream: batch-split, model dims whole
+        # the residual stream: batch-split, model dims whole
+        x_BxTxM = constrain_batch(self._embed(tokens_BxT, positions))
         x_BxTxM, max_abs_logit_LxH = self._scan_blocks(x_BxTxM, positions, segment_ids,
                                                        return_stats)
-        h_BxTxM = self.ln_f(x_BxTxM).astype(_dtype(cfg.compute_dtype))
-        if self.lm_head is None:
-            logits_BxTxV = self.embed.attend(h_BxTxM)
-        else:
-            logits_BxTxV = self.lm_head(h_BxTxM)
-        logits_BxTxV = logits_BxTxV.astype(jnp.float32)
+        logits_BxTxV = self._logits(x_BxTxM)
         if not return_stats:
             return logits_BxTxV
         stats = {
@@ -184,6 +177,21 @@ class Transformer(nnx.Module):
             "lm_head_max_abs_logit": jax.lax.stop_gradient(jnp.max(jnp.abs(logits_BxTxV))),
         }
         return logits_BxTxV, stats
+
+    def _embed(self, tokens_BxT, positions_BxT):
+        """The token embeddings (plus the learned position table's rows), float32."""
+        x_BxTxM = self.embed(tokens_BxT).astype(jnp.float32)
+        if self.pos_embed is not None:
+            x_BxTxM = x_BxTxM + self.pos_embed(positions_BxT).astype(jnp.float32)
+        return x_BxTxM
+
+    def _logits(self, x_BxTxM):
+        """The final LayerNorm and the LM head (the embedding's transpose when tied): float32
+        logits."""
+        h_BxTxM = self.ln_f(x_BxTxM).astype(_dtype(self.cfg.compute_dtype))
+        if self.lm_head is None:
+            return self.embed.attend(h_BxTxM).astype(jnp.float32)
+        return self.lm_head(h_BxTxM).astype(jnp.float32)
 
     def _scan_blocks(self, x_BxTxM, positions, segment_ids, return_stats: bool):
         """The blocks as one ``jax.lax.scan`` over their stacked parameters, traced once (the
@@ -226,11 +234,8 @@ class Transformer(nnx.Module):
           ([B, vocab]) instead of all of them ([B, C, vocab]).
         Returns (float32 logits, the updated KVCache).
         """
-        cfg = self.cfg
-        x_BxCxM = self.embed(tokens_BxC).astype(jnp.float32)
-        if self.pos_embed is not None:  # padding may sit past the table: clamp (never read)
-            table_BxC = jnp.minimum(positions_BxC, cfg.max_seq_len - 1)
-            x_BxCxM = x_BxCxM + self.pos_embed(table_BxC).astype(jnp.float32)
+        # padding may sit past the learned position table: clamp (its rows are never read)
+        x_BxCxM = self._embed(tokens_BxC, jnp.minimum(positions_BxC, self.cfg.max_seq_len - 1))
         step = CacheStep(cache.lengths_B, new_lengths_B, fresh, decode_implementation)
         layers = []
         for block, layer_cache in zip(self.blocks, cache.layers):
@@ -239,12 +244,7 @@ class Transformer(nnx.Module):
             layers.append(layer_cache)
         if logits_index_B is not None:
             x_BxCxM = jnp.take_along_axis(x_BxCxM, logits_index_B[:, None, None], axis=1)
-        h_BxCxM = self.ln_f(x_BxCxM).astype(_dtype(cfg.compute_dtype))
-        if self.lm_head is None:
-            logits = self.embed.attend(h_BxCxM)
-        else:
-            logits = self.lm_head(h_BxCxM)
-        logits = logits.astype(jnp.float32)
+        logits = self._logits(x_BxCxM)
         if logits_index_B is not None:
             logits = logits[:, 0]
         return logits, KVCache(tuple(layers), new_lengths_B.astype(jnp.int32))

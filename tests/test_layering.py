@@ -6,7 +6,7 @@ import statement, at module level or inside a function, and fails on
 * an import cycle between modules of the package, and
 * an upward import: ``ls_jax.kernels`` importing ``ls_jax`` outside ``ls_jax.kernels``, or the
   library importing ``ls_jax.configs`` or the repository's experiments/bench/tests scripts, and
-* inside the library, an import against the order of its parts (``PARTS``: config <- sharding
+* inside the library, an import against the order of its parts (``PARTS``: run_hint <- config <- sharding
   <- layers, inputs <- training <- inference <- interop; parts of one rank do not import each
   other), or a module that belongs to no part.
 
@@ -27,6 +27,7 @@ KERNELS = "ls_jax.kernels"
 ABOVE_LIBRARY = ("ls_jax.configs", "configs", "experiments", "bench", "tests", "train", "eval")
 # the library's parts, lowest first: a module imports its own part and lower ranks only
 PARTS = (
+    ("ls_jax.run_hint",),                # the entry points' one line without JAX (stdlib only)
     ("ls_jax.config",),                  # the typed settings
     ("ls_jax.sharding",),                # the mesh and how arrays lie on it
     ("ls_jax.layers", "ls_jax.inputs"),  # the model; documents -> tokens -> batches

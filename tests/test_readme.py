@@ -190,7 +190,7 @@ def test_script_flags_exist(page):
     """``python bench/X.py --flag`` and ``python -m package.module --flag``: the script exists
     and defines each flag the page passes it."""
     for command in shell_commands(page):
-        pattern = r"python (?:-m )?((?:bench|experiments|ls_jax)[/.]\w+(?:\.py)?)((?: [^|;&]*)?)"
+        pattern = r"python (?:-m )?((?:bench|experiments|ls_jax)(?:[/.]\w+)+?(?:\.py)?)(?=[ |;&]|$)((?: [^|;&]*)?)"
         for script, args in re.findall(pattern, command):
             path = script if script.endswith(".py") else script.replace(".", "/") + ".py"
             assert os.path.exists(os.path.join(ROOT, path)), (page, command)

@@ -21,18 +21,12 @@ whole project, kernels/, ls_jax/ and experiments/ alike):
   N     a generic length (a 1-D token array, a row count); digits are literal sizes
         (``m_Qx128``: 128 lanes)
 
-A backend is a function
-
-    fn(q, k, v, *, window_sizes, segment_ids, scale, return_logit_stats, interpret)
-        -> (out_BxTxHxD, max_abs_logit_H or None)
-
-that gets validated inputs: ``window_sizes`` as returned by ``normalize_window_sizes`` (a
-tuple of int >= 1 or None, one per query head) and ``scale`` a float. ``get_backend`` imports
-it on first use, so that importing ``kernels`` never pulls in Triton or Mosaic. Which backend
-``implementation=None`` picks is ``kernels/dispatch.py``.
-
-On inputs sharded over a device mesh (any axis names, Auto or Explicit axis types) the backend
-runs once per shard, the batch and the heads split: ``kernels/sharded.py``.
+``ls_attention`` validates its inputs once (``validate_inputs``: ``window_sizes`` becomes a
+tuple of int >= 1 or None, one per query head, and ``scale`` a float), plans the call once
+(``kernels/plan.py``: the backends, from ``kernels/dispatch.py``'s rules; the partitioning over
+the mesh; the launches) and executes the plan: the backends (``kernels/backends.py``) run once
+per shard on sharded inputs (``kernels/sharded.py``), forward-mode autodiff through
+``kernels/forward_mode.py``. ``explain`` returns the plan of a call without running it.
 """
 
 from __future__ import annotations
@@ -48,26 +42,22 @@ from ls_jax.kernels.band import WindowSizes
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from ls_jax.kernels.dispatch import (
-    DEFAULT_IMPLEMENTATION,
-    IMPLEMENTATIONS,
-    INTERPRET_IMPLEMENTATIONS,
-    choose_implementation,
-    choose_primal_implementation,
-    current_platform,
-)
+from ls_jax.kernels.backends import IMPLEMENTATIONS, get_backend
+from ls_jax.kernels.dispatch import DEFAULT_IMPLEMENTATION, choose_implementation, current_platform
 from ls_jax.kernels.forward_mode import with_forward_mode
 from ls_jax.kernels.heads import kv_group_size
+from ls_jax.kernels.plan import CallPlan, plan_call
 from ls_jax.kernels.platform_call import export_platforms
 from ls_jax.kernels.reference import default_scale
-from ls_jax.kernels.sharded import Call, attention, register_backend_lookup
+from ls_jax.kernels.sharded import attention
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # float64 (under jax_enable_x64): the reference alone computes in it; the kernels do not
 REFERENCE_DTYPES = SUPPORTED_DTYPES + (jnp.float64,)
 
-__all__ = ["DEFAULT_IMPLEMENTATION", "IMPLEMENTATIONS", "LogitStats", "default_implementation",
-           "get_backend", "ls_attention", "normalize_window_sizes", "validate_inputs"]
+__all__ = ["DEFAULT_IMPLEMENTATION", "IMPLEMENTATIONS", "CallPlan", "LogitStats",
+           "default_implementation", "explain", "get_backend", "ls_attention",
+           "normalize_window_sizes", "validate_inputs"]
 
 
 class LogitStats(NamedTuple):
@@ -146,11 +136,6 @@ def validate_inputs(q, k, v, window_sizes, segment_ids, scale) -> tuple[WindowSi
     return windows, float(scale)
 
 
-# backends that call JAX's cuDNN attention (kernels/cudnn.py, kernels/split.py), which lowers
-# for CUDA alone: a program exported for several platforms runs "pallas_gpu" in their place
-JAX_KERNELS = ("cudnn", "split")
-
-
 # implementation=None chooses for the platform of the machine that traces the call; a program
 # lowered for another platform (jax.export(..., platforms=...)) would run that choice there (the
 # dense reference on a GPU, say). An identity on q whose lowering checks the platforms refuses
@@ -181,30 +166,6 @@ def default_implementation(platform: str | None = None) -> str:
     """The backend ``implementation=None`` picks on ``platform`` (default: JAX's default
     platform) when the case does not change it; per call, see ``kernels/dispatch.py``."""
     return choose_implementation(platform)
-
-
-def get_backend(implementation: str):
-    """The backend function of ``implementation``, imported on first use."""
-    if implementation == "reference":
-        from ls_jax.kernels.reference import reference_backend
-        return reference_backend
-    if implementation == "cudnn":
-        from ls_jax.kernels.cudnn import cudnn_backend
-        return cudnn_backend
-    if implementation == "pallas_gpu":
-        from ls_jax.kernels.pallas_gpu import pallas_gpu_backend
-        return pallas_gpu_backend
-    if implementation == "pallas_tpu":
-        from ls_jax.kernels.pallas_tpu import pallas_tpu_backend
-        return pallas_tpu_backend
-    if implementation == "split":
-        from ls_jax.kernels.split import split_backend
-        return split_backend
-    raise ValueError(
-        f"implementation: expected None or one of {IMPLEMENTATIONS}, got {implementation!r}")
-
-
-register_backend_lookup(lambda name: get_backend(name))  # read per call: tests replace it
 
 
 # the argument types of ls_attention (its overloads differ in return_logit_stats alone)
@@ -296,71 +257,70 @@ def ls_attention(q: ArrayIn, k: ArrayIn, v: ArrayIn, window_sizes: Sequence[int 
       [B, T, Hq, D] in q's dtype, or ``(out, LogitStats)`` with ``return_logit_stats=True``.
     """
     windows, scale = validate_inputs(q, k, v, window_sizes, segment_ids, scale)
-    if partition_spec is not None and not isinstance(partition_spec, jax.sharding.PartitionSpec):
-        raise ValueError(
-            "partition_spec: expected None or a jax.sharding.PartitionSpec, got "
-            f"{type(partition_spec).__name__}")
-    run = functools.partial(_run, windows=windows, scale=scale, segment_ids=segment_ids,
-                            logit_stats=bool(return_logit_stats), interpret=interpret,
-                            partition_spec=partition_spec)
-    if implementation is None:
-        if interpret:
-            raise ValueError(
-                "interpret: True needs an explicit implementation, one of "
-                f"{INTERPRET_IMPLEMENTATIONS}; got implementation=None")
-        B, T, H, D = q.shape
-        case = dict(window_sizes=windows, seq_len=T, head_dim=D, dtype=q.dtype,
-                    has_segments=segment_ids is not None, return_logit_stats=return_logit_stats)
-        platforms = export_platforms()
-        if platforms is None:  # the tracing machine's platform
-            implementation = choose_implementation(**case)
-            q = _platform_guard_p.bind(q, traced_on=current_platform(), chosen=implementation)
-            out, max_abs_logit = run(choose_primal_implementation(**case), implementation,
-                                     q, k, v)
-        else:  # one branch per platform of the export, each lowered for its own
-            def pallas_where_several(name):  # cuDNN's calls lower for one platform alone
-                return "pallas_gpu" if len(platforms) > 1 and name in JAX_KERNELS else name
-
-            branches = {p: functools.partial(
-                run, pallas_where_several(choose_primal_implementation(p, **case)),
-                pallas_where_several(choose_implementation(p, **case))) for p in platforms}
-            out, max_abs_logit = (branches[platforms[0]](q, k, v) if len(platforms) == 1
-                                  else jax.lax.platform_dependent(q, k, v, **branches))
-    else:
-        if interpret and implementation not in INTERPRET_IMPLEMENTATIONS:
-            raise ValueError(
-                "interpret: only the Pallas backends and 'split' (its local heads), "
-                f"{INTERPRET_IMPLEMENTATIONS}, have an interpret mode; got "
-                f"interpret={interpret!r} with implementation={implementation!r}")
-        if implementation not in IMPLEMENTATIONS:
-            raise ValueError(f"implementation: expected None or one of {IMPLEMENTATIONS}, "
-                             f"got {implementation!r}")
-        out, max_abs_logit = run(implementation, implementation, q, k, v)
+    plan = plan_call(q, k, windows, scale=scale, has_segments=segment_ids is not None,
+                     logit_stats=bool(return_logit_stats), implementation=implementation,
+                     interpret=interpret, partition_spec=partition_spec,
+                     platforms=export_platforms())
+    if plan.guard:  # a lowering for another platform than the tracing machine's is refused
+        q = _platform_guard_p.bind(q, traced_on=current_platform(),
+                                   chosen=plan.routes[0].differentiated)
+    branches = {route.platform: functools.partial(_run, plan, route, segment_ids=segment_ids)
+                for route in plan.routes}
+    out, max_abs_logit = (branches[plan.routes[0].platform](q, k, v) if len(branches) == 1
+                          else jax.lax.platform_dependent(q, k, v, **branches))
     if not return_logit_stats:
         return out
     return out, LogitStats(max_abs_logit=jax.lax.stop_gradient(max_abs_logit.astype(jnp.float32)))
 
 
-def _run(primal: str, differentiated: str, q, k, v, *, windows: WindowSizes, scale: float,
-         segment_ids, logit_stats: bool, interpret, partition_spec):
-    """(out, max_abs_logit or None) of validated inputs with the ``primal`` backend where
-    nothing differentiates the call and ``differentiated`` where something does (forward or
-    reverse mode: ``kernels/forward_mode.py``)."""
-    if q.dtype not in SUPPORTED_DTYPES and (primal, differentiated) != ("reference",) * 2:
+def explain(q: ArrayIn | jax.ShapeDtypeStruct, k: ArrayIn | jax.ShapeDtypeStruct,
+            v: ArrayIn | jax.ShapeDtypeStruct, window_sizes: Sequence[int | None], *,
+            segment_ids: ArrayIn | jax.ShapeDtypeStruct | None = None,
+            scale: float | None = None, return_logit_stats: bool = False,
+            implementation: Implementation | None = None, interpret: Any = False,
+            partition_spec: jax.sharding.PartitionSpec | None = None,
+            platform: str | None = None, device_kind: str | None = None) -> CallPlan:
+    """The plan ``ls_attention`` would run for these arguments, without running it:
+    ``print(explain(q, k, v, windows))`` says which backends run forward and backward, how
+    the call is split over the mesh in context and what each backend launches per shard.
+
+    q, k, v (and segment_ids) may be arrays or ``jax.ShapeDtypeStruct``s (with a
+    ``sharding`` to plan for a mesh). ``platform``: plan for this platform ("cpu", "cuda",
+    "tpu") rather than this machine's; ``device_kind``: the GPU to plan the launches for, as
+    JAX's ``device.device_kind`` names it (``pallas_gpu.heuristics.gpu_of_kind``; default:
+    this process's GPU). Raises ValueError as ``ls_attention`` would.
+    """
+    windows, scale = validate_inputs(q, k, v, window_sizes, segment_ids, scale)
+    gpu = None
+    if device_kind is not None:
+        from ls_jax.kernels.pallas_gpu.heuristics import gpu_of_kind
+        gpu = gpu_of_kind(device_kind)
+    return plan_call(q, k, windows, scale=scale, has_segments=segment_ids is not None,
+                     logit_stats=bool(return_logit_stats), implementation=implementation,
+                     interpret=interpret, partition_spec=partition_spec,
+                     platforms=None if platform is None else (platform,), gpu=gpu)
+
+
+def _run(plan: CallPlan, route, q, k, v, *, segment_ids):
+    """(out, max_abs_logit or None) of validated inputs by ``route`` of ``plan``: its primal
+    backend where nothing differentiates the call and its differentiated one where something
+    does (forward or reverse mode: ``kernels/forward_mode.py``)."""
+    if q.dtype not in SUPPORTED_DTYPES and (route.primal, route.differentiated) != (
+            "reference",) * 2:
         raise ValueError(
             f"q: float64 is computed by implementation='reference' alone, got implementation="
-            f"{differentiated!r}; cast q, k, v to float32 or pass implementation='reference'")
-    call = Call(primal=primal, differentiated=differentiated, windows=windows, scale=scale,
-                logit_stats=logit_stats, has_segments=segment_ids is not None,
-                interpret=interpret)
-    as_differentiated = call._replace(primal=differentiated)
+            f"{route.differentiated!r}; cast q, k, v to float32 or pass "
+            "implementation='reference'")
+    call = plan.call(route)
+    as_differentiated = call._replace(primal=route.differentiated)
 
     def reference(q, k, v, segment_ids):
         from ls_jax.kernels.reference import reference_backend
-        return reference_backend(q, k, v, window_sizes=windows, segment_ids=segment_ids,
-                                 scale=scale, return_logit_stats=False, interpret=False)[0]
+        return reference_backend(q, k, v, window_sizes=plan.windows, segment_ids=segment_ids,
+                                 scale=plan.scale, return_logit_stats=False,
+                                 interpret=False)[0]
 
+    part = plan.partitioning
     return with_forward_mode(
-        lambda *a: attention(call, *a, partition_spec),
-        lambda *a: attention(as_differentiated, *a, partition_spec), reference,
-        q, k, v, segment_ids)
+        lambda *a: attention(call, part, *a), lambda *a: attention(as_differentiated, part, *a),
+        reference, q, k, v, segment_ids)

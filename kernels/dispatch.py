@@ -25,9 +25,8 @@ from fractions import Fraction
 import jax
 import jax.numpy as jnp
 
+from ls_jax.kernels.backends import IMPLEMENTATIONS
 from ls_jax.kernels.band import WindowSizes, is_global
-
-IMPLEMENTATIONS = ("reference", "cudnn", "pallas_gpu", "pallas_tpu", "split")
 # the backends that take interpret=True: the Pallas ones, and "split" (for its local heads)
 INTERPRET_IMPLEMENTATIONS = ("pallas_gpu", "pallas_tpu", "split")
 

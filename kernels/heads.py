@@ -125,3 +125,11 @@ def kv_for_heads(k, v, heads, num_q_heads: int):
     else:
         kv_heads = kv_of
     return take_heads(k, kv_heads), take_heads(v, kv_heads)
+
+
+def head_span(heads) -> str:
+    """"0-15" for a run of consecutive heads, else "0,2,5" (plans and messages)."""
+    heads = tuple(heads)
+    if len(heads) > 1 and heads == tuple(range(heads[0], heads[-1] + 1)):
+        return f"{heads[0]}-{heads[-1]}"
+    return ",".join(map(str, heads))

@@ -14,7 +14,7 @@ call does:
   (batch and heads may be split, GQA's kv heads together with their query heads). XLA tells
   each op the sharding it chose and the op runs per shard. The forward keeps the output and
   the backend's row statistic (its logsumexp) for the backward where the backend provides that
-  pair (``kernels/residuals.py``); for the other backends the backward runs the forward again
+  pair (``kernels/backends.py``); for the other backends the backward runs the forward again
   per shard. Where ``implementation=None`` pairs a faster forward-only backend with the
   differentiated one (``kernels/directional.py``), the forward-only op runs the former.
   "cudnn" partitions itself (JAX's cuDNN call has its own custom partitioning) and is called
@@ -58,9 +58,9 @@ from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor,
                                                   SdyShardingRule, custom_partitioning)
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from ls_jax.kernels import backends
 from ls_jax.kernels.band import WindowSizes
 from ls_jax.kernels.directional import directional_backend
-from ls_jax.kernels.residuals import residual_pair
 
 __all__ = ["Call", "Layout", "activation_gathers", "attention", "head_shard_windows",
            "layout_of", "qkv_gathers"]
@@ -165,18 +165,8 @@ def layout_of(axis_sizes: dict, spec, q_shape, kv_heads: int) -> Layout:
 
 # -- one backend call, per shard or whole -------------------------------------------------
 
-# ``kernels.api`` registers its backend lookup here when it is imported (it imports this
-# module, so this one cannot import it); the lookup reads ``api.get_backend`` per call.
-_backend_lookup = None
-
-
-def register_backend_lookup(lookup) -> None:
-    global _backend_lookup
-    _backend_lookup = lookup
-
-
 def _get_backend(implementation: str):
-    return _backend_lookup(implementation)
+    return backends.get_backend(implementation)  # read per call: tests replace it
 
 
 def run_backend(call: Call, q, k, v, segment_ids):
@@ -254,7 +244,7 @@ class _Op(NamedTuple):
 
     @property
     def saves_rows(self) -> bool:
-        return residual_pair(self.call.differentiated) is not None
+        return backends.residual_pair(self.call.differentiated) is not None
 
     @property
     def stats_at(self) -> int | None:
@@ -279,7 +269,7 @@ def _run_op(op: _Op, *arrays):
     if op.role == "primal":
         out, stats = run_backend(call._replace(differentiated=call.primal), q, k, v, seg)
         return (out, stats) if call.logit_stats else (out,)
-    pair = residual_pair(call.differentiated)
+    pair = backends.residual_pair(call.differentiated)
     if op.role == "forward":
         if pair is None:
             out, stats = run_backend(call._replace(primal=call.differentiated), q, k, v, seg)
@@ -461,41 +451,14 @@ def _auto(call: Call, q, k, v, segment_ids):
 
 # -- which path ------------------------------------------------------------------------------
 
-def attention(call: Call, q, k, v, segment_ids, partition_spec=None):
-    """(out, max_abs_logit [H] or None) of ``call`` on q, k, v, split per shard where the
-    inputs are sharded (this module's docstring); ``partition_spec``: q's layout over the
-    mesh in context, given by a caller that knows it."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.manual_axes:  # inside a shard_map: the caller's program is already per shard
-        return run_backend(call, q, k, v, segment_ids)
-    if partition_spec is not None and not mesh.empty:
-        layout = layout_of(dict(mesh.shape), partition_spec, q.shape, k.shape[2])
-        if not (layout.batch or layout.heads):
-            return run_backend(call, q, k, v, segment_ids)
-        explicit = mesh if mesh.explicit_axes else None
-        return _shard_mapped(call, explicit, layout, q, k, v, segment_ids)
-    sharding = jax.typeof(q).sharding
-    q_mesh = getattr(sharding, "mesh", None)
-    if q_mesh is not None and not q_mesh.empty and q_mesh.explicit_axes:
-        spec = tuple(sharding.spec)
-        if any(_axes(e) for e in spec):
-            layout = layout_of(dict(q_mesh.shape), spec, q.shape, k.shape[2])
-            return _shard_mapped(call, q_mesh, layout, q, k, v, segment_ids)
-        if not q_mesh.auto_axes:
-            return run_backend(call, q, k, v, segment_ids)
-    # the devices of the mesh in context (a compile for another topology names its own), else
-    # of this process
-    devices = mesh.size if not mesh.empty else jax.device_count()
-    if devices == 1 or _tpu_interpreter(call):
-        return run_backend(call, q, k, v, segment_ids)
-    return _auto(call, q, k, v, segment_ids)
-
-
-def _tpu_interpreter(call: Call) -> bool:
-    """True where the call runs Pallas' TPU interpreter, whose ordered host callbacks JAX
-    cannot lower inside a custom-partitioned op (it runs unsplit on Auto axes; Explicit axes
-    and ``shard_map`` split it)."""
-    return bool(call.interpret) and "pallas_tpu" in (call.primal, call.differentiated)
+def attention(call: Call, partitioning, q, k, v, segment_ids):
+    """(out, max_abs_logit [H] or None) of ``call`` on q, k, v, laid out on the mesh as
+    ``partitioning`` (a ``kernels.plan.Partitioning``) says."""
+    if partitioning.path == "shard_map":
+        return _shard_mapped(call, partitioning.mesh, partitioning.layout, q, k, v, segment_ids)
+    if partitioning.path == "custom_partitioning":
+        return _auto(call, q, k, v, segment_ids)
+    return run_backend(call, q, k, v, segment_ids)
 
 
 # -- checks on compiled programs --------------------------------------------------------------

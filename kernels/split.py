@@ -56,7 +56,7 @@ def _global_causal_attention(q, k, v, scale: float):
 
 def split_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_stats,
                   interpret, launches=None):
-    """The "split" backend (``kernels.api.get_backend``); ``launches`` (a
+    """The "split" backend (``kernels.backends.get_backend``); ``launches`` (a
     ``pallas_gpu.Launches`` over the local heads) replaces the heuristics' choice for them."""
     check_cudnn_inputs("split", q, segment_ids)
     B, T, H, D = q.shape

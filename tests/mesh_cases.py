@@ -34,14 +34,14 @@ def case_directional():
     differentiated one (its own forward and backward). Stand-ins scale the reference's output
     (primal x2, differentiated x3) so the numbers tell which ran."""
     from ls_jax.config import MeshConfig
-    from ls_jax.kernels import api, dispatch
+    from ls_jax.kernels import backends, dispatch
     from ls_jax.kernels import ls_attention
     from ls_jax.kernels.pallas_gpu import heuristics
     from ls_jax.kernels.reference import reference_backend
     from ls_jax.sharding import make_mesh
     from stand_in_backends import scaled_get_backend  # tests/, beside this script
     traced = []
-    api.get_backend = scaled_get_backend({"pallas_gpu": 2.0, "cudnn": 3.0}, traced)
+    backends.get_backend = scaled_get_backend({"pallas_gpu": 2.0, "cudnn": 3.0}, traced)
     dispatch.current_platform = lambda: "cuda"
     heuristics.current_gpu = lambda interpret=False: heuristics.Gpu(hopper=True, sms=132)
     B, T, H, D = 4, dispatch.HOPPER_FORWARD_MIN_SEQ_LEN, 2, 64

@@ -18,5 +18,5 @@ def scaled_reference(name: str, factor: float, log: list):
 
 
 def scaled_get_backend(factors: dict, log: list):
-    """A stand-in for ``kernels.api.get_backend``: implementation name -> its scaled reference."""
+    """A stand-in for ``kernels.backends.get_backend``: implementation name -> its scaled reference."""
     return lambda implementation: scaled_reference(implementation, factors[implementation], log)

@@ -31,7 +31,7 @@ W = (None, 3, 3, 3)
     ((q, kv, kv, W), {"segment_ids": jnp.zeros((2, 8))}, r"segment_ids: expected an integer dtype"),
     ((q, kv, kv, W), {"scale": -1.0}, r"scale: expected a finite float > 0 or None, got -1.0"),
     ((q, kv, kv, W), {"implementation": "flash"}, r"implementation: expected None or one of .*got 'flash'"),
-    ((q, kv, kv, W), {"interpret": True}, r"interpret: True needs an explicit implementation"),
+    ((q, kv, kv, W), {"interpret": True}, r"interpret: True .* needs implementation one of .*got implementation=None"),
     ((q, kv, kv, W), {"implementation": "reference", "interpret": True}, r"interpret: only the Pallas backends"),
     ((q, kv, kv, W), {"partition_spec": ("data",)}, r"partition_spec: expected None or a jax.sharding.PartitionSpec, got tuple"),
 ])

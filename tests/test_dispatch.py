@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ls_jax.kernels import DEFAULT_IMPLEMENTATION, default_implementation, ls_attention
-from ls_jax.kernels import api, dispatch
+from ls_jax.kernels import backends, dispatch
 from ls_jax.kernels.dispatch import choose_implementation, current_platform
 from ls_jax.kernels.reference import reference_backend
 from stand_in_backends import scaled_get_backend  # tests/, beside this file
@@ -105,7 +105,7 @@ def test_ls_attention_follows_the_rule(monkeypatch):
         return jax.eval_shape(lambda q: ls_attention(q, q, q, *args, **kwargs), q)
 
     q = jnp.ones((1, 16, 2, 8), jnp.bfloat16)
-    monkeypatch.setattr(api, "get_backend", fake_get_backend)
+    monkeypatch.setattr(backends, "get_backend", fake_get_backend)
     monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
     call((None, 16))
     call((None, 4))
@@ -163,7 +163,7 @@ def test_ls_attention_pairs_backends_by_direction(monkeypatch):
     from ls_jax.kernels.pallas_gpu import heuristics
 
     traced = []
-    monkeypatch.setattr(api, "get_backend",
+    monkeypatch.setattr(backends, "get_backend",
                         scaled_get_backend({"pallas_gpu": 2.0, "cudnn": 3.0}, traced))
     monkeypatch.setattr(dispatch, "current_platform", lambda: "cuda")
     monkeypatch.setattr(heuristics, "current_gpu",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ls_jax.kernels.reference import default_scale
-from ls_jax.kernels.residuals import residual_pair
+from ls_jax.kernels.backends import residual_pair
 from ls_jax.kernels.sharded import Layout, layout_of
 from eight_devices import result, start  # tests/, beside this file
 
@@ -119,7 +119,7 @@ def test_layout_names_the_axes_of_batch_and_heads():
 def test_residual_pair_gives_the_backends_gradients(impl):
     """The forward/backward pair that the partitioned ops run (out and a row statistic saved,
     padding redone) against the backend's own VJP, with GQA, segments and padded T."""
-    from ls_jax.kernels.api import get_backend
+    from ls_jax.kernels.backends import get_backend
     B, T, H, G, D = 2, 40, 4, 2, 16
     windows = (None, 3, 9, None)
     kq, kk, kv, kd = jax.random.split(jax.random.key(5), 4)

@@ -20,7 +20,7 @@ from ls_jax.kernels.pallas_gpu.configs import Launches
 from ls_jax.kernels.pallas_gpu.mosaic import backward as hopper_backward
 from ls_jax.kernels.pallas_gpu.mosaic import forward as hopper_forward
 from ls_jax.kernels.pallas_gpu.mosaic import strip
-from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, make_plan
+from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, fit_launches, make_plan, padded_head_dim
 from ls_jax.kernels.pallas_gpu.triton import backward as triton_backward
 from ls_jax.kernels.pallas_gpu.triton import forward as triton_forward
 from ls_jax.kernels.reference import default_scale
@@ -143,9 +143,57 @@ def pallas_gpu_attention_parts(q, k, v, window_sizes: WindowSizes, *, segment_id
     return out[:, :T, :, :D], lse, jnp.max(stats[:, :, :T], axis=(0, 2))
 
 
+# -- the forward and the backward as two calls (``kernels/backends.py``'s residual pair) ----
+
+def forward_with_rows(q, k, v, *, window_sizes, segment_ids, scale, interpret,
+                      return_logit_stats):
+    """(out [B, T, H, D], rows float32 [B, H, T]: the log2-domain logsumexp, max_abs_logit [H]
+    or None) of validated inputs."""
+    T = q.shape[1]
+    plan, qp, kp, vp, seg = _prepare(q, k, v, window_sizes, segment_ids, scale, None,
+                                     return_logit_stats, interpret)
+    out, lse2, stats = forward_call(plan, qp, kp, vp, seg)
+    max_abs = jnp.max(stats[:, :, :T], axis=(0, 2)) if return_logit_stats else None
+    return out[:, :T, :, :q.shape[3]], lse2[:, :, :T], max_abs
+
+
+def backward_with_rows(q, k, v, out, rows, do, *, window_sizes, segment_ids, scale,
+                       interpret):
+    """(dq, dk, dv) from ``forward_with_rows``'s output and rows; padded query rows get a
+    statistic of +inf (probability 0: they add nothing to dK and dV)."""
+    B, T, H, D = q.shape
+    plan, qp, kp, vp, seg = _prepare(q, k, v, window_sizes, segment_ids, scale, None, False,
+                                     interpret)
+    Tp, Dp = plan.seq_len_padded, plan.head_dim_padded
+    pad = ((0, 0), (0, Tp - T), (0, 0), (0, Dp - D))
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, Tp - T)), constant_values=jnp.inf)
+    dq, dk, dv = backward_call(plan, qp, kp, vp, seg, jnp.pad(do.astype(q.dtype), pad),
+                               jnp.pad(out, pad), rows)
+    return tuple(x[:, :T, :, :D] for x in (dq, dk, dv))
+
+
+def describe_launches(*, batch: int, seq_len: int, head_dim: int, windows: WindowSizes,
+                      num_kv_heads: int, dtype, has_segments: bool, gpu, interpret=False
+                      ) -> tuple[str, ...]:
+    """One line per launch of the forward and the backward that ``heuristics.launches``
+    decides for this case on ``gpu`` (a ``heuristics.Gpu``)."""
+    from ls_jax.kernels.heads import head_span
+    from ls_jax.kernels.pallas_gpu import heuristics
+    case = heuristics.Case(dtype=dtype, head_dim=padded_head_dim(head_dim),
+                           windows=tuple(windows), seq_len=seq_len, batch=batch,
+                           num_kv_heads=num_kv_heads, has_segments=has_segments, gpu=gpu,
+                           interpret=bool(interpret))
+    launches = fit_launches(heuristics.launches(case), seq_len, bool(interpret))
+
+    def line(name, launch):
+        return f"{name}: {launch.lowering} over heads {head_span(launch.heads)}, {launch.config}"
+    return (tuple(line("forward", l) for l in launches.forward)
+            + tuple(line("backward", l) for l in launches.backward))
+
+
 def pallas_gpu_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_stats,
                        interpret, launches: Launches | None = None):
-    """The "pallas_gpu" backend (``kernels.api.get_backend``). A symbolic batch
+    """The "pallas_gpu" backend (``kernels.backends.get_backend``). A symbolic batch
     (``jax.export`` with a batch to be named at run time) runs one batch element at a time:
     the kernels' launch grids count batch elements, and a Pallas GPU grid is static."""
     if not isinstance(q.shape[0], int):

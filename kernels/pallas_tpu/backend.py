@@ -126,9 +126,53 @@ def pallas_tpu_attention_parts(q, k, v, window_sizes: WindowSizes, segment_ids=N
     return out, lse_BxHxT, max_abs
 
 
+# -- the forward and the backward as two calls (``kernels/backends.py``'s residual pair) ----
+
+def forward_with_rows(q, k, v, *, window_sizes, segment_ids, scale, interpret,
+                      return_logit_stats):
+    """(out [B, T, H, D], rows float32 [B, H, T]: the natural-log logsumexp, max_abs_logit [H]
+    or None) of validated inputs."""
+    return pallas_tpu_attention_parts(q, k, v, window_sizes, segment_ids, scale,
+                                      logit_stats=return_logit_stats, interpret=interpret)
+
+
+def backward_with_rows(q, k, v, out, rows, do, *, window_sizes, segment_ids, scale,
+                       interpret):
+    """(dq, dk, dv) from ``forward_with_rows``'s output and rows; padded query rows get a
+    statistic of +inf (probability 0: they add nothing to dK and dV)."""
+    T, D = q.shape[1], q.shape[3]
+    plan = make_plan(seq_len=T, head_dim=D, windows=tuple(window_sizes),
+                     num_kv_heads=k.shape[2], scale=scale, has_segments=segment_ids is not None,
+                     logit_stats=False, interpret=interpret_params(interpret))
+    dtype = jnp.float32 if q.dtype == jnp.float16 else q.dtype
+    q_, k_, v_, o_, do_ = (_to_kernel_layout(x.astype(dtype), plan) for x in (q, k, v, out, do))
+    segs = (None, None) if segment_ids is None else _segment_layouts(segment_ids, plan)
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, plan.seq_len_padded - T)),
+                   constant_values=jnp.inf)
+    lse = rows[:, :, None, :]
+    dq, dk, dv, _ = _attention_bwd(plan, (q_, k_, v_, segs, o_, lse),
+                                   (do_, jnp.zeros_like(lse), None))
+    return tuple(_from_kernel_layout(x, plan).astype(q.dtype) for x in (dq, dk, dv))
+
+
+def describe_launches(*, seq_len: int, head_dim: int, windows: WindowSizes,
+                      num_kv_heads: int, has_segments: bool, **_) -> tuple[str, ...]:
+    """One line per pass: the blocks ``plan.make_plan`` picks for this case and the steps of
+    each kernel's work list (the tiles inside some head's band)."""
+    plan = make_plan(seq_len=seq_len, head_dim=head_dim, windows=tuple(windows),
+                     num_kv_heads=num_kv_heads, scale=1.0, has_segments=has_segments,
+                     logit_stats=False)
+    blocks = f"block_q={plan.block_q}, block_k={plan.block_k}"
+    rows = plan.forward_worklist().grid_steps
+    columns = plan.dkdv_worklist().grid_steps
+    return (f"forward: one pallas_call over all heads, {blocks}, {rows} grid steps per batch "
+            "element",
+            f"backward: dQ ({rows} grid steps) and dK/dV ({columns}), {blocks}")
+
+
 def pallas_tpu_backend(q, k, v, *, window_sizes, segment_ids, scale, return_logit_stats,
                        interpret, block_q=None, block_k=None, num_chunks: int = 1):
-    """The "pallas_tpu" backend (``kernels.api.get_backend``).
+    """The "pallas_tpu" backend (``kernels.backends.get_backend``).
 
     Without ``interpret``, the lowering platform decides: traced (under ``jax.jit`` or
     ``jax.export(..., platforms=("tpu",))``) it emits the Mosaic kernels whatever JAX's

@@ -21,7 +21,7 @@ from flax import nnx
 from ls_jax.config import layer_window_sizes
 from ls_jax.kernels import ls_attention, normalize_window_sizes
 from ls_jax.kernels.decode import cached_attention, decode_step_attention
-from ls_jax.kernels.dispatch import IMPLEMENTATIONS, INTERPRET_IMPLEMENTATIONS
+from ls_jax.kernels.plan import check_backend_options
 from ls_jax.kernels.heads import kv_group_size, take_heads
 from ls_jax.layers.kv_cache import (CacheLayout, CacheStep, LayerCache, decode_groups,
                              global_positions, ring_positions, with_written, write_layer)
@@ -42,17 +42,11 @@ def _positive_int(name: str, value) -> int:
 
 
 def check_backend(implementation, interpret) -> None:
-    """The backend arguments of ``kernels.ls_attention``, checked when a layer is built: one
-    line naming the argument (the same rules the call applies)."""
-    if implementation is not None and implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation: expected None or one of {IMPLEMENTATIONS}, got {implementation!r}")
+    """The backend arguments of ``kernels.ls_attention``, checked when a layer is built: a
+    layer takes ``interpret`` as a bool; the rest is the call's rule."""
     if not isinstance(interpret, bool):
         raise ValueError(f"interpret: expected True or False, got {interpret!r}")
-    if interpret and implementation not in INTERPRET_IMPLEMENTATIONS:
-        raise ValueError(
-            f"interpret: True runs a Pallas backend in interpret mode and needs implementation "
-            f"one of {INTERPRET_IMPLEMENTATIONS}, got implementation={implementation!r}")
+    check_backend_options(implementation, interpret)
 
 
 def layer_spec(d_model, n_head, head_dim, n_kv_head, n_global_heads, window, window_sizes,

@@ -32,7 +32,7 @@ W = (None, 3, 3, 3)
     ((q, kv, kv, W), {"scale": -1.0}, r"scale: expected a finite float > 0 or None, got -1.0"),
     ((q, kv, kv, W), {"implementation": "flash"}, r"implementation: expected None or one of .*got 'flash'"),
     ((q, kv, kv, W), {"interpret": True}, r"interpret: True .* needs implementation one of .*got implementation=None"),
-    ((q, kv, kv, W), {"implementation": "reference", "interpret": True}, r"interpret: only the Pallas backends"),
+    ((q, kv, kv, W), {"implementation": "reference", "interpret": True}, r"interpret: True .* needs implementation one of .*got implementation=.reference."),
     ((q, kv, kv, W), {"partition_spec": ("data",)}, r"partition_spec: expected None or a jax.sharding.PartitionSpec, got tuple"),
 ])
 def test_bad_inputs_raise_clear_errors(args, kwargs, pattern):

@@ -39,3 +39,19 @@ def test_a_table_without_its_provenance_is_refused(tmp_path, field):
     (tmp_path / "t.json").write_text(json.dumps(table))
     with pytest.raises(ValueError, match=f"missing \\['{field}'\\]"):
         perf_page.load_tables(str(tmp_path))
+
+
+def test_the_parts_benchmark_writes_a_table_the_page_takes(tmp_path):
+    """bench/parts.py (tiny sizes on CPU) writes one table of the page's format whose limits
+    follow from its rows."""
+    import subprocess
+    import sys
+    out = tmp_path / "tables" / "16_parts.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "parts.py"), "--smoke",
+                    "--out", str(out)], check=True, capture_output=True, cwd=ROOT)
+    (table,) = perf_page.load_tables(str(out.parent))
+    rows = {r["part"]: r for r in table["rows"]}
+    total = rows["local heads"]["fb"] + rows["global (ours)"]["fb"]
+    assert table["limits"]["sum"][1] == pytest.approx(rows["composition"]["fb"] / total)
+    assert table["commands"] == ["python bench/parts.py --smoke"]
+    assert "### Where the time goes" in perf_page.render([table])

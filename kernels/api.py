@@ -57,7 +57,7 @@ REFERENCE_DTYPES = SUPPORTED_DTYPES + (jnp.float64,)
 
 __all__ = ["DEFAULT_IMPLEMENTATION", "IMPLEMENTATIONS", "CallPlan", "LogitStats",
            "default_implementation", "explain", "get_backend", "ls_attention",
-           "normalize_window_sizes", "validate_inputs"]
+           "ls_attention_validated", "normalize_window_sizes", "validate_inputs"]
 
 
 class LogitStats(NamedTuple):
@@ -257,6 +257,18 @@ def ls_attention(q: ArrayIn, k: ArrayIn, v: ArrayIn, window_sizes: Sequence[int 
       [B, T, Hq, D] in q's dtype, or ``(out, LogitStats)`` with ``return_logit_stats=True``.
     """
     windows, scale = validate_inputs(q, k, v, window_sizes, segment_ids, scale)
+    return ls_attention_validated(q, k, v, windows, scale, segment_ids=segment_ids,
+                                  return_logit_stats=return_logit_stats,
+                                  implementation=implementation, interpret=interpret,
+                                  partition_spec=partition_spec)
+
+
+def ls_attention_validated(q, k, v, windows: WindowSizes, scale: float, *, segment_ids=None,
+                           return_logit_stats: bool = False, implementation: str | None = None,
+                           interpret: Any = False, partition_spec=None):
+    """``ls_attention`` for a caller that has validated q, k, v and segment_ids as
+    ``validate_inputs`` does and passes its normalised ``windows`` and float ``scale`` (the
+    library's layers, which check their inputs when called and their windows when built)."""
     plan = plan_call(q, k, windows, scale=scale, has_segments=segment_ids is not None,
                      logit_stats=bool(return_logit_stats), implementation=implementation,
                      interpret=interpret, partition_spec=partition_spec,

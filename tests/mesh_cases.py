@@ -104,8 +104,9 @@ def case_train(impl: str, meshes: str):
     extra = [f"model.attn_implementation={impl}"]
     if impl.startswith("pallas"):  # the model's kernel calls in Pallas interpret mode (CPU)
         from ls_jax.layers import attention
-        from ls_jax.kernels import ls_attention
-        attention.ls_attention = lambda *a, **kw: ls_attention(*a, **{**kw, "interpret": True})
+        from ls_jax.kernels.api import ls_attention_validated
+        attention.ls_attention_validated = lambda *a, **kw: ls_attention_validated(
+            *a, **{**kw, "interpret": True})
     out = {"devices": jax.device_count(), "losses": {}}
     mesh_specs = meshes.split(",")
     for mesh_spec in mesh_specs:

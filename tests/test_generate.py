@@ -265,13 +265,13 @@ def test_a_fresh_prefill_chunk_is_partitioned_like_training(monkeypatch):
     from ls_jax.layers import attention as attention_lib
 
     specs = []
-    kernel = attention_lib.ls_attention
+    kernel = attention_lib.ls_attention_validated
 
     def recording(*args, partition_spec=None, **kwargs):
         specs.append(partition_spec)
         return kernel(*args, partition_spec=partition_spec, **kwargs)
 
-    monkeypatch.setattr(attention_lib, "ls_attention", recording)
+    monkeypatch.setattr(attention_lib, "ls_attention_validated", recording)
     model = tiny_model()
     with jax.set_mesh(sharding.make_mesh(devices=jax.devices()[:1])):
         model(jnp.zeros((2, 8), jnp.int32))

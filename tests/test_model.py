@@ -100,14 +100,14 @@ def test_stats_shapes_and_lm_head_max():
 
 
 def test_logit_stats_are_requested_from_the_kernel_only_when_asked(monkeypatch):
-    real = attention_lib.ls_attention  # the layer's kernel call
+    real = attention_lib.ls_attention_validated  # the layer's kernel call
     asked = []
 
     def recording(*args, return_logit_stats=False, **kwargs):
         asked.append(return_logit_stats)
         return real(*args, return_logit_stats=return_logit_stats, **kwargs)
 
-    monkeypatch.setattr(attention_lib, "ls_attention", recording)
+    monkeypatch.setattr(attention_lib, "ls_attention_validated", recording)
     model = Transformer(ModelConfig(**SMALL, n_global_heads=1), rngs=nnx.Rngs(0))
     tokens = jnp.zeros((1, 9), jnp.int32)
     # jitted afresh here: a call of the module's jitted functions may reuse an earlier trace

@@ -81,7 +81,7 @@ class LSAttention(nn.Module):
     def __call__(self, x_BxTxM: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, return_logit_stats: bool = False):
         """Returns y [B, T, d_model], or (y, max_abs_logit [n_head]) with return_logit_stats."""
-        check_input(x_BxTxM, self.d_model, positions)
+        check_input(x_BxTxM, self.d_model, positions, segment_ids)
         B, T, _ = x_BxTxM.shape
         q_BxTxHxD = self.q_proj(x_BxTxM).reshape(B, T, self.n_head, self.head_dim)
         k_BxTxGxD = self.k_proj(x_BxTxM).reshape(B, T, self._kv_heads, self.head_dim)

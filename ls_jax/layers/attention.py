@@ -19,10 +19,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ls_jax.config import layer_window_sizes
-from ls_jax.kernels import ls_attention, normalize_window_sizes
+from ls_jax.kernels import normalize_window_sizes
+from ls_jax.kernels.api import ls_attention_validated
 from ls_jax.kernels.decode import cached_attention, decode_step_attention
 from ls_jax.kernels.plan import check_backend_options
 from ls_jax.kernels.heads import kv_group_size, take_heads
+from ls_jax.kernels.reference import default_scale
 from ls_jax.layers.kv_cache import (CacheLayout, CacheStep, LayerCache, decode_groups,
                              global_positions, ring_positions, with_written, write_layer)
 from ls_jax.layers.rope import apply_rope
@@ -75,15 +77,23 @@ def layer_spec(d_model, n_head, head_dim, n_kv_head, n_global_heads, window, win
     return windows, n_kv_head
 
 
-def check_input(x_BxTxM, d_model: int, positions=None) -> None:
-    """One line for an input that is not [B, T, d_model] or positions that are not int [B, T]."""
+def check_positions(shape: tuple, positions=None, segment_ids=None) -> None:
+    """One line for positions or segment ids that are not int [B, T] (``shape`` = (B, T))."""
+    for name, x in (("positions", positions), ("segment_ids", segment_ids)):
+        if x is not None and (tuple(getattr(x, "shape", ())) != tuple(shape)
+                              or not jnp.issubdtype(x.dtype, jnp.integer)):
+            raise ValueError(f"{name}: expected int [B={shape[0]}, T={shape[1]}], got "
+                             f"{getattr(x, 'dtype', type(x).__name__)} "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+
+
+def check_input(x_BxTxM, d_model: int, positions=None, segment_ids=None) -> None:
+    """One line for an input that is not [B, T, d_model], or positions or segment ids that are
+    not int [B, T]: the layer's input, checked once per call (its attention trusts it)."""
     shape = tuple(getattr(x_BxTxM, "shape", ()))
     if len(shape) != 3 or shape[-1] != d_model:
         raise ValueError(f"x: expected shape [B, T, d_model={d_model}], got {shape}")
-    if positions is not None and (tuple(positions.shape) != shape[:2]
-                                  or not jnp.issubdtype(positions.dtype, jnp.integer)):
-        raise ValueError(f"positions: expected int [B={shape[0]}, T={shape[1]}], got "
-                         f"{positions.dtype} {tuple(positions.shape)}")
+    check_positions(shape[:2], positions, segment_ids)
 
 
 class LSAttention(nnx.Module):
@@ -152,7 +162,7 @@ class LSAttention(nnx.Module):
         tokens at ``positions`` attend over the cache and are written into it; returns
         (y, the updated LayerCache). See ``attend_cached``.
         """
-        check_input(x_BxTxM, self.d_model, positions)
+        check_input(x_BxTxM, self.d_model, positions, segment_ids)
         if (cache is None) != (step is None):
             raise ValueError("cache, step: expected both (a cached call) or neither, got "
                              f"cache={type(cache).__name__}, step={type(step).__name__}")
@@ -274,12 +284,14 @@ def norm_and_rope(q_BxTxHxD, k_BxTxGxD, positions_BxT, *, q_norm, k_norm, rope_t
 def kernel_attention(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, window_sizes, *, implementation,
                      interpret=False, segment_ids=None, return_logit_stats=False):
     """The full-sequence ``ls_attention`` call of training, evaluation and a fresh prefill
-    chunk: one kernel call per shard, laid out as the model's mesh lays out heads and batch."""
-    B, _, H, _ = q_BxTxHxD.shape
-    return ls_attention(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, window_sizes, segment_ids=segment_ids,
-                        return_logit_stats=return_logit_stats, implementation=implementation,
-                        interpret=interpret,
-                        partition_spec=attention_spec(B, H, k_BxTxGxD.shape[2]))
+    chunk, on the layer's projections and its validated windows: one kernel call per shard,
+    laid out as the model's mesh lays out heads and batch."""
+    B, _, H, D = q_BxTxHxD.shape
+    return ls_attention_validated(
+        q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, window_sizes, default_scale(D),
+        segment_ids=segment_ids, return_logit_stats=return_logit_stats,
+        implementation=implementation, interpret=interpret,
+        partition_spec=attention_spec(B, H, k_BxTxGxD.shape[2]))
 
 
 def attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, o_proj, window_sizes, *, q_norm, k_norm, rope_theta,

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ls_jax.layers.attention import LSAttention, partitioned
+from ls_jax.layers.attention import LSAttention, check_positions, partitioned
 from ls_jax.config import ModelConfig
 from ls_jax.layers.kv_cache import CacheStep, KVCache, LayerCache, init_cache
 from ls_jax.sharding import constrain_batch
@@ -25,18 +25,16 @@ def _dtype(name: str):
     return jnp.dtype(name)
 
 
-def check_tokens(tokens_BxT, positions=None) -> None:
-    """One line for tokens that are not int [B, T] or positions that are not int [B, T]: the
-    model's input, checked once per call (the blocks and their attention trust it)."""
+def check_tokens(tokens_BxT, positions=None, segment_ids=None) -> None:
+    """One line for tokens that are not int [B, T] or positions or segment ids that are not
+    int [B, T]: the model's input, checked once per call (the blocks and their attention trust
+    it)."""
     shape = tuple(getattr(tokens_BxT, "shape", ()))
     dtype = getattr(tokens_BxT, "dtype", None)
     if len(shape) != 2 or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
         raise ValueError(f"tokens: expected int [B, T], got {dtype or type(tokens_BxT).__name__} "
                          f"{shape}")
-    if positions is not None and (tuple(positions.shape) != shape
-                                  or not jnp.issubdtype(positions.dtype, jnp.integer)):
-        raise ValueError(f"positions: expected int [B={shape[0]}, T={shape[1]}], got "
-                         f"{positions.dtype} {tuple(positions.shape)}")
+    check_positions(shape, positions, segment_ids)
 
 
 class MLP(nnx.Module):
@@ -157,7 +155,7 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BxT: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, return_stats: bool = False):
         cfg = self.cfg
-        check_tokens(tokens_BxT, positions)
+        check_tokens(tokens_BxT, positions, segment_ids)
         B, T = tokens_BxT.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))

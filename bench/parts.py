@@ -103,8 +103,8 @@ def table(measured: dict, args) -> dict:
     }
     c = measured["case"]
     device = jax.devices()[0]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown"
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                           capture_output=True, text=True).stdout.strip()
     note = (
         f"Limits of composition / ours, forward and forward+backward. Sum of parts, "
         f"composition / (local heads + global (ours)): {limits['sum'][0]:.2f}x and "
@@ -144,10 +144,12 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=5, help="back-to-back calls per sample")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU check)")
+    ap.add_argument("--commit", help="the commit measured (default: git's HEAD here)")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     args.argv = [a for i, a in enumerate(argv)
-                 if not a.startswith("--out") and not (i and argv[i - 1] == "--out")]
+                 if not a.startswith(("--out", "--commit"))
+                 and not (i and argv[i - 1] in ("--out", "--commit"))]
     if args.smoke:
         args.d, args.n, args.p, args.heads, args.batch_size = 16, 64, 8, 4, 1
         args.mix, args.reps, args.warmup, args.batch = "1g15l", 1, 1, 1

@@ -118,7 +118,7 @@ def table(measured: dict, args) -> dict:
                   f"T={c['seq_len']}, D={c['head_dim']}"),
         "card": f"{device.device_kind}, jax {jax.__version__}",
         "commit": commit,
-        "commands": ["python bench/parts.py " + " ".join(args.argv)],
+        "commands": [" ".join(["python bench/parts.py"] + args.argv)],
         "note": note,
         "columns": [
             {"header": "part", "cell": "{part}"},
@@ -148,8 +148,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     args.argv = [a for i, a in enumerate(argv)
-                 if not a.startswith(("--out", "--commit"))
-                 and not (i and argv[i - 1] in ("--out", "--commit"))]
+                 if not a.startswith("--commit") and not (i and argv[i - 1] == "--commit")]
     if args.smoke:
         args.d, args.n, args.p, args.heads, args.batch_size = 16, 64, 8, 4, 1
         args.mix, args.reps, args.warmup, args.batch = "1g15l", 1, 1, 1

@@ -53,5 +53,5 @@ def test_the_parts_benchmark_writes_a_table_the_page_takes(tmp_path):
     rows = {r["part"]: r for r in table["rows"]}
     total = rows["local heads"]["fb"] + rows["global (ours)"]["fb"]
     assert table["limits"]["sum"][1] == pytest.approx(rows["composition"]["fb"] / total)
-    assert table["commands"] == ["python bench/parts.py --smoke"]
+    assert table["commands"] == [f"python bench/parts.py --smoke --out {out}"]
     assert "### Where the time goes" in perf_page.render([table])

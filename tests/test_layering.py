@@ -19,6 +19,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # folder in the repository -> the package name it installs as (pyproject package-dir)
 PACKAGE_DIRS = {"ls_jax": "ls_jax", "kernels": "ls_jax.kernels"}
@@ -248,3 +250,15 @@ def test_library_imports_follow_the_parts_order():
     sources, packages = read_package_sources()
     assert {part for same_rank in PARTS for part in same_rank} <= set(sources)
     assert part_order_violations(import_graph(sources, packages)) == []
+
+
+@pytest.mark.parametrize("old, new", [("ls_jax.linen", "ls_jax.interop.linen"),
+                                      ("ls_jax.model", "ls_jax.layers.transformer"),
+                                      ("ls_jax.generate", "ls_jax.inference.generate")])
+def test_an_old_module_path_says_where_the_module_went(old, new):
+    import importlib
+    import ls_jax
+    assert ls_jax.MOVED[old] == new and importlib.import_module(new)
+    for statement in (f"import {old}", f"from ls_jax import {old.split('.')[1]}"):
+        with pytest.raises(ModuleNotFoundError, match=f"^{old} moved to {new} "):
+            exec(statement, {})

@@ -145,7 +145,7 @@ def train_main(argv: list[str] | None = None) -> int:
             raise
         print(_one_line(e), file=sys.stderr)
         return 1
-    except KeyboardInterrupt as e:  # a second signal: stopped at once (ls_jax.training.train.Interrupted)
+    except KeyboardInterrupt as e:  # a second signal: stopped at once (ls_jax.training.stopping.Interrupted)
         if args.debug:
             raise
         print(_one_line(e) if str(e) else "error: interrupted", file=sys.stderr)

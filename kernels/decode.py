@@ -47,16 +47,25 @@ DECODE_IMPLEMENTATIONS = ("reference", "xla", "pallas_gpu")
 
 # -- which backend ----------------------------------------------------------------------------
 
+# A decode step whose every head is global reads every row's whole cache: from this many rows
+# on it is bound by those reads, which XLA's fused dots stream faster than our kernel's
+# per-(row, kv head) programs; with local heads the ring buffers keep our kernel's reads small.
+ALL_GLOBAL_XLA_MIN_BATCH = 8
+
+
 def choose_decode_implementation(implementation: str | None, *, one_query: bool,
-                                 head_dim: int, platform: str | None = None) -> str:
+                                 head_dim: int, batch: int = 1, all_global: bool = False,
+                                 platform: str | None = None) -> str:
     """The backend of a cache attention call: ``implementation`` when named, else by case.
 
     | case | backend | why |
     |---|---|---|
-    | a decode step (one query per row) on CUDA, head_dim a power of two | "pallas_gpu" | one launch per layer writes the new key/value into every cache group and attends over all heads; "xla" needs per group a scatter per cache array and a dot, a masked softmax and a second dot, and a step of a small model is bound by its launches |
+    | a decode step (one query per row) on CUDA, head_dim a power of two, some head local or fewer than ``ALL_GLOBAL_XLA_MIN_BATCH`` rows | "pallas_gpu" | one launch per layer writes the new key/value into every cache group and attends over all heads; "xla" needs per group a scatter per cache array and a dot, a masked softmax and a second dot, and a step of a small model is bound by its launches |
+    | a decode step with every head global, from ``ALL_GLOBAL_XLA_MIN_BATCH`` rows | "xla" | the step is bound by reading every row's whole cache, which XLA's fused dots stream faster |
     | a prefill chunk (several queries per row), whatever was named | "xla" or "reference" | the Pallas kernel holds one query per program; a chunk is a matrix product that XLA's dots do well |
     | anything else | "xla" | runs on every platform |
 
+    ``batch``: rows of the step; ``all_global``: every query head's window is None.
     ``platform``: ``kernels.dispatch.current_platform()`` unless given (tests).
     """
     if implementation is not None and implementation not in DECODE_IMPLEMENTATIONS:
@@ -68,7 +77,9 @@ def choose_decode_implementation(implementation: str | None, *, one_query: bool,
         return implementation
     platform = current_platform() if platform is None else platform
     pow2 = head_dim >= 1 and not head_dim & (head_dim - 1)  # Triton's block shapes
-    return "pallas_gpu" if platform == "cuda" and pow2 else "xla"
+    if platform != "cuda" or not pow2:
+        return "xla"
+    return "xla" if all_global and batch >= ALL_GLOBAL_XLA_MIN_BATCH else "pallas_gpu"
 
 
 def _backend_dtype(implementation: str, cache_dtype):
@@ -276,7 +287,9 @@ def decode_step_attention(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B,
     window_sizes = normalize_window_sizes(window_sizes, q_BxHxD.shape[1])
     D = q_BxHxD.shape[-1]
     scale = float(default_scale(D) if scale is None else scale)
-    impl = choose_decode_implementation(implementation, one_query=True, head_dim=D)
+    impl = choose_decode_implementation(
+        implementation, one_query=True, head_dim=D, batch=q_BxHxD.shape[0],
+        all_global=all(w is None for w in window_sizes))
     q_pos_B = q_pos_B.astype(jnp.int32)
     groups = tuple(dataclasses.replace(g, k_pos=g.k_pos.astype(jnp.int32),
                                        slot_B=g.slot_B.astype(jnp.int32)) for g in groups)

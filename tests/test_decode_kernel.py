@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ls_jax.kernels.decode import (CacheGroup, cached_attention, choose_decode_implementation,
+from ls_jax.kernels.decode import (ALL_GLOBAL_XLA_MIN_BATCH, CacheGroup, cached_attention,
+                                   choose_decode_implementation,
                                    decode_step_attention)
 
 
@@ -233,20 +234,28 @@ def test_pallas_decode_step_lowers_to_triton_for_an_h100(D, S_global):
     assert "ls_decode_step" in text
 
 
-@pytest.mark.parametrize("requested, one_query, head_dim, platform, want", [
-    (None, True, 32, "cuda", "pallas_gpu"),
-    (None, True, 48, "cuda", "xla"),  # not a power of two: no Triton block shape
-    (None, True, 32, "cpu", "xla"),
-    (None, True, 32, "tpu", "xla"),
-    (None, True, 32, "rocm", "xla"),
-    (None, False, 32, "cuda", "xla"),  # a prefill chunk
-    ("pallas_gpu", False, 32, "cuda", "xla"),
-    ("reference", False, 32, "cuda", "reference"),
-    ("xla", True, 32, "cuda", "xla"),
-    ("pallas_gpu", True, 32, "cpu", "pallas_gpu"),  # named: taken (interpret mode on CPU)
+MIN = ALL_GLOBAL_XLA_MIN_BATCH
+
+
+@pytest.mark.parametrize("name, requested, one_query, head_dim, batch, all_global, platform, want", [
+    ("ls_step_on_cuda", None, True, 32, 64, False, "cuda", "pallas_gpu"),
+    ("all_global_few_rows", None, True, 32, MIN - 1, True, "cuda", "pallas_gpu"),
+    ("all_global_many_rows", None, True, 32, MIN, True, "cuda", "xla"),
+    ("all_global_named_kernel", "pallas_gpu", True, 32, MIN, True, "cuda", "pallas_gpu"),
+    ("head_dim_not_pow2", None, True, 48, 1, False, "cuda", "xla"),  # no Triton block shape
+    ("cpu", None, True, 32, 1, False, "cpu", "xla"),
+    ("tpu", None, True, 32, 1, False, "tpu", "xla"),
+    ("rocm", None, True, 32, 1, False, "rocm", "xla"),
+    ("prefill_chunk", None, False, 32, 1, False, "cuda", "xla"),
+    ("prefill_chunk_named_kernel", "pallas_gpu", False, 32, 1, False, "cuda", "xla"),
+    ("prefill_chunk_reference", "reference", False, 32, 1, False, "cuda", "reference"),
+    ("named_xla", "xla", True, 32, 1, False, "cuda", "xla"),
+    ("named_kernel_on_cpu", "pallas_gpu", True, 32, 1, False, "cpu", "pallas_gpu"),  # interpret
 ])
-def test_choose_decode_implementation(requested, one_query, head_dim, platform, want):
+def test_choose_decode_implementation(name, requested, one_query, head_dim, batch, all_global,
+                                      platform, want):
     assert choose_decode_implementation(requested, one_query=one_query, head_dim=head_dim,
+                                        batch=batch, all_global=all_global,
                                         platform=platform) == want
 
 

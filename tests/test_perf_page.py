@@ -55,3 +55,23 @@ def test_the_parts_benchmark_writes_a_table_the_page_takes(tmp_path):
     assert table["limits"]["sum"][1] == pytest.approx(rows["composition"]["fb"] / total)
     assert table["commands"] == [f"python bench/parts.py --smoke --out {out}"]
     assert "### Where the time goes" in perf_page.render([table])
+
+
+def test_the_inference_benchmark_writes_its_decode_table(tmp_path):
+    """bench/inference.py --decode-table (tiny sizes on CPU): a table of the page's format,
+    LS against MHSA's fastest decode backend."""
+    import subprocess
+    import sys
+    out = tmp_path / "tables" / "20_decode.json"
+    out.parent.mkdir()
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "inference.py"), "--smoke",
+                    "--out", str(tmp_path / "raw.json"), "--decode-table", str(out),
+                    "--commit", "abc1234"], check=True, capture_output=True, cwd=ROOT,
+                   env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    (table,) = perf_page.load_tables(str(out.parent))
+    raw = json.loads((tmp_path / "raw.json").read_text())["results"]
+    mhsa = max(r["tokens_per_s"] for r in raw if r["variant"] == "MHSA" and r["kind"] == "decode")
+    (row,) = table["rows"]
+    assert row["mhsa"] == round(mhsa) and table["commit"] == "abc1234"
+    assert "--out decode.json" in table["commands"][0] and "--commit" not in table["commands"][0]
+    assert "| smoke | 3 |" in perf_page.render([table])

@@ -48,9 +48,11 @@ DECODE_IMPLEMENTATIONS = ("reference", "xla", "pallas_gpu")
 # -- which backend ----------------------------------------------------------------------------
 
 # A decode step whose every head is global reads every row's whole cache: from this many rows
-# on it is bound by those reads, which XLA's fused dots stream faster than our kernel's
-# per-(row, kv head) programs; with local heads the ring buffers keep our kernel's reads small.
+# on it is bound by those reads, and with heads narrower than ``ALL_GLOBAL_XLA_MAX_HEAD_DIM``
+# XLA's fused dots stream them faster than our kernel, whose programs then move too few bytes
+# per key block; with local heads the ring buffers keep our kernel's reads small.
 ALL_GLOBAL_XLA_MIN_BATCH = 8
+ALL_GLOBAL_XLA_MAX_HEAD_DIM = 32
 
 
 def choose_decode_implementation(implementation: str | None, *, one_query: bool,
@@ -60,8 +62,8 @@ def choose_decode_implementation(implementation: str | None, *, one_query: bool,
 
     | case | backend | why |
     |---|---|---|
-    | a decode step (one query per row) on CUDA, head_dim a power of two, some head local or fewer than ``ALL_GLOBAL_XLA_MIN_BATCH`` rows | "pallas_gpu" | one launch per layer writes the new key/value into every cache group and attends over all heads; "xla" needs per group a scatter per cache array and a dot, a masked softmax and a second dot, and a step of a small model is bound by its launches |
-    | a decode step with every head global, from ``ALL_GLOBAL_XLA_MIN_BATCH`` rows | "xla" | the step is bound by reading every row's whole cache, which XLA's fused dots stream faster |
+    | a decode step (one query per row) on CUDA, head_dim a power of two, except the next row | "pallas_gpu" | one launch per layer writes the new key/value into every cache group and attends over all heads; "xla" needs per group a scatter per cache array and a dot, a masked softmax and a second dot, and a step of a small model is bound by its launches |
+    | a decode step with every head global, from ``ALL_GLOBAL_XLA_MIN_BATCH`` rows, head_dim at most ``ALL_GLOBAL_XLA_MAX_HEAD_DIM`` | "xla" | the step is bound by reading every row's whole cache, which XLA's fused dots stream faster for narrow heads |
     | a prefill chunk (several queries per row), whatever was named | "xla" or "reference" | the Pallas kernel holds one query per program; a chunk is a matrix product that XLA's dots do well |
     | anything else | "xla" | runs on every platform |
 
@@ -79,7 +81,9 @@ def choose_decode_implementation(implementation: str | None, *, one_query: bool,
     pow2 = head_dim >= 1 and not head_dim & (head_dim - 1)  # Triton's block shapes
     if platform != "cuda" or not pow2:
         return "xla"
-    return "xla" if all_global and batch >= ALL_GLOBAL_XLA_MIN_BATCH else "pallas_gpu"
+    streamed = (all_global and batch >= ALL_GLOBAL_XLA_MIN_BATCH
+                and head_dim <= ALL_GLOBAL_XLA_MAX_HEAD_DIM)
+    return "xla" if streamed else "pallas_gpu"
 
 
 def _backend_dtype(implementation: str, cache_dtype):

@@ -241,6 +241,7 @@ MIN = ALL_GLOBAL_XLA_MIN_BATCH
     ("ls_step_on_cuda", None, True, 32, 64, False, "cuda", "pallas_gpu"),
     ("all_global_few_rows", None, True, 32, MIN - 1, True, "cuda", "pallas_gpu"),
     ("all_global_many_rows", None, True, 32, MIN, True, "cuda", "xla"),
+    ("all_global_many_rows_wide_heads", None, True, 64, MIN, True, "cuda", "pallas_gpu"),
     ("all_global_named_kernel", "pallas_gpu", True, 32, MIN, True, "cuda", "pallas_gpu"),
     ("head_dim_not_pow2", None, True, 48, 1, False, "cuda", "xla"),  # no Triton block shape
     ("cpu", None, True, 32, 1, False, "cpu", "xla"),

@@ -157,8 +157,15 @@ def cached_attention(q, k, v, q_pos, k_pos, window_sizes, *, scale=None,
     """
     _check(q, k, v, q_pos, k_pos)
     window_sizes = normalize_window_sizes(window_sizes, q.shape[2])
-    if scale is None:
-        scale = default_scale(q.shape[-1])
+    return cached_attention_validated(q, k, v, q_pos, k_pos, window_sizes,
+                                      scale=default_scale(q.shape[-1]) if scale is None
+                                      else scale, implementation=implementation)
+
+
+def cached_attention_validated(q, k, v, q_pos, k_pos, window_sizes, *, scale: float,
+                               implementation=None):
+    """``cached_attention`` for a caller that has checked the arrays as it does and passes
+    normalised ``window_sizes`` and a float ``scale`` (the library's layers)."""
     impl = choose_decode_implementation(implementation, one_query=False, head_dim=q.shape[-1])
     dtype, precision = _backend_dtype(impl, k.dtype)
     return _masked_softmax_attention(q, k, v, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32),
@@ -290,7 +297,19 @@ def decode_step_attention(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B,
     _check_step(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, groups)
     window_sizes = normalize_window_sizes(window_sizes, q_BxHxD.shape[1])
     D = q_BxHxD.shape[-1]
-    scale = float(default_scale(D) if scale is None else scale)
+    return decode_step_attention_validated(
+        q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, groups, window_sizes,
+        scale=float(default_scale(D) if scale is None else scale),
+        implementation=implementation, interpret=interpret)
+
+
+def decode_step_attention_validated(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, groups,
+                                    window_sizes, *, scale: float, implementation=None,
+                                    interpret=False):
+    """``decode_step_attention`` for a caller that has checked the arrays and groups as it
+    does and passes normalised ``window_sizes`` and a float ``scale`` (the library's layers,
+    once per layer and step)."""
+    D = q_BxHxD.shape[-1]
     impl = choose_decode_implementation(
         implementation, one_query=True, head_dim=D, batch=q_BxHxD.shape[0],
         all_global=all(w is None for w in window_sizes))

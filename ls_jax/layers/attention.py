@@ -21,7 +21,8 @@ from flax import nnx
 from ls_jax.config import layer_window_sizes
 from ls_jax.kernels import normalize_window_sizes
 from ls_jax.kernels.api import ls_attention_validated
-from ls_jax.kernels.decode import cached_attention, decode_step_attention
+from ls_jax.kernels.decode import (cached_attention_validated,
+                                   decode_step_attention_validated)
 from ls_jax.kernels.plan import check_backend_options
 from ls_jax.kernels.heads import kv_group_size, take_heads
 from ls_jax.kernels.reference import default_scale
@@ -234,22 +235,23 @@ class LSAttention(nnx.Module):
         new_lengths_B = step.new_lengths_B
         q_sorted = take_heads(q_BxCxHxD, layout.q_order)
         n_qg = len(layout.global_windows)
+        scale = default_scale(q_BxCxHxD.shape[-1])
         q_pos_BxC = jnp.where(positions_BxC < new_lengths_B[:, None], positions_BxC, -1)
         parts = []
         if layout.global_kv:
-            parts.append(cached_attention(
+            parts.append(cached_attention_validated(
                 q_sorted[:, :, :n_qg], new.k_global, new.v_global, q_pos_BxC,
                 global_positions(new_lengths_B, new.k_global.shape[1]), layout.global_windows,
-                implementation=step.decode_implementation))
+                scale=scale, implementation=step.decode_implementation))
         if layout.local_kv:
             k_loc, v_loc = (take_heads(x, layout.local_kv) for x in (k_BxCxGxD, v_BxCxGxD))
             k_read = jnp.concatenate([old.k_local, k_loc.astype(old.k_local.dtype)], 1)
             v_read = jnp.concatenate([old.v_local, v_loc.astype(old.v_local.dtype)], 1)
             k_pos = jnp.concatenate(
                 [ring_positions(step.old_lengths_B, old.k_local.shape[1]), q_pos_BxC], 1)
-            parts.append(cached_attention(
+            parts.append(cached_attention_validated(
                 q_sorted[:, :, n_qg:], k_read, v_read, q_pos_BxC, k_pos, layout.local_windows,
-                implementation=step.decode_implementation))
+                scale=scale, implementation=step.decode_implementation))
         out_sorted = jnp.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
         return take_heads(out_sorted, layout.q_inverse).astype(q_BxCxHxD.dtype)
 
@@ -262,10 +264,11 @@ def decode_step(layout: CacheLayout, cache: LayerCache, q_BxHxD, k_BxGxD, v_BxGx
     (``kv_cache.decode_groups``) and every head attends. Returns (out [B, H, D], the
     LayerCache)."""
     q_pos_B = jnp.where(positions_B < step.new_lengths_B, positions_B, -1)
-    out_BxHxD, written = decode_step_attention(
+    out_BxHxD, written = decode_step_attention_validated(
         q_BxHxD, k_BxGxD, v_BxGxD, q_pos_B,
-        decode_groups(layout, cache, positions_B, step.old_lengths_B), window_sizes,
-        implementation=step.decode_implementation, interpret=interpret)
+        tuple(decode_groups(layout, cache, positions_B, step.old_lengths_B)), window_sizes,
+        scale=default_scale(q_BxHxD.shape[-1]), implementation=step.decode_implementation,
+        interpret=interpret)
     return out_BxHxD, with_written(layout, cache, written)
 
 

@@ -31,7 +31,7 @@ from ls_jax.kernels.backends import IMPLEMENTATIONS, launch_lines
 from ls_jax.kernels.band import WindowSizes
 from ls_jax.kernels import dispatch
 from ls_jax.kernels.dispatch import INTERPRET_IMPLEMENTATIONS
-from ls_jax.kernels.sharded import Call, Layout, head_shard_windows, layout_of
+from ls_jax.kernels.sharded import Call, Layout, head_shard_windows, layout_of, mesh_axes
 
 __all__ = ["CallPlan", "Partitioning", "Route", "check_backend_options", "partitioning",
            "plan_call"]
@@ -183,13 +183,10 @@ def _routes(implementation: str | None, platforms: tuple[str, ...], case: dict,
     if implementation is not None:  # one backend, whatever the platform
         return (Route("+".join(platforms), implementation, implementation),)
 
+    def pick(name):  # cuDNN's calls lower for one platform alone
+        return "pallas_gpu" if len(platforms) > 1 and name in JAX_KERNELS else name
+
     def one(platform):
-        if len(platforms) > 1:  # cuDNN's calls lower for one platform alone
-            def pick(name):
-                return "pallas_gpu" if name in JAX_KERNELS else name
-        else:
-            def pick(name):
-                return name
         return Route(platform,
                      pick(dispatch.choose_primal_implementation(platform, hopper=hopper, **case)),
                      pick(dispatch.choose_implementation(platform, hopper=hopper, **case)))
@@ -233,7 +230,7 @@ def partitioning(q, num_kv_heads: int, partition_spec: PartitionSpec | None,
     q_mesh = getattr(sharding, "mesh", None)
     if q_mesh is not None and not q_mesh.empty and q_mesh.explicit_axes:
         spec = tuple(sharding.spec)
-        if any(e is not None and e != () for e in spec):
+        if any(mesh_axes(e) for e in spec):
             layout = layout_of(dict(q_mesh.shape), spec, q.shape, num_kv_heads)
             return Partitioning("shard_map", "q's sharding on Explicit axes", layout, q_mesh)
         if not q_mesh.auto_axes:

@@ -63,7 +63,7 @@ from ls_jax.kernels.band import WindowSizes
 from ls_jax.kernels.directional import directional_backend
 
 __all__ = ["Call", "Layout", "activation_gathers", "attention", "head_shard_windows",
-           "layout_of", "qkv_gathers"]
+           "layout_of", "mesh_axes", "qkv_gathers"]
 
 
 class Call(NamedTuple):
@@ -128,7 +128,8 @@ def head_shard_windows(window_sizes, num_shards: int) -> list[tuple[int | None, 
     return [tuple(window_sizes[s * per:(s + 1) * per]) for s in range(num_shards)]
 
 
-def _axes(entry) -> tuple[str, ...]:
+def mesh_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry (None, a name or a tuple of names)."""
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
@@ -139,7 +140,7 @@ def layout_of(axis_sizes: dict, spec, q_shape, kv_heads: int) -> Layout:
     ``axis_sizes``; ValueError (one line) for what is not split per shard."""
     B, T, H, D = q_shape
     spec = tuple(spec) + (None,) * (4 - len(tuple(spec)))
-    batch, seq, heads, dim = (_axes(e) for e in spec)
+    batch, seq, heads, dim = (mesh_axes(e) for e in spec)
     if seq:
         raise ValueError(
             f"q: sharded along the sequence axis (T={T}) over mesh axes {seq}; ls_attention "
@@ -327,8 +328,8 @@ def auto_layout(axis_sizes: dict, spec, q_shape, kv_heads: int) -> tuple[Layout,
     counts, batch shards that do not divide a batch dimension)."""
     n_lead = len(q_shape) - 3
     spec = tuple(spec) + (None,) * (len(q_shape) - len(tuple(spec)))
-    lead = [_axes(e) for e in spec[:n_lead]]
-    seq, heads, dim = (_axes(e) for e in spec[n_lead:])
+    lead = [mesh_axes(e) for e in spec[:n_lead]]
+    seq, heads, dim = (mesh_axes(e) for e in spec[n_lead:])
     T, H, D = q_shape[n_lead:]
     notes = []
     for what, axes in ((f"the sequence axis (T={T})", seq), (f"the head dimension (D={D})", dim)):

@@ -135,22 +135,21 @@ def pallas_gpu_attention_parts(q, k, v, window_sizes: WindowSizes, *, segment_id
 
     The same quantities as ``kernels.reference.reference_attention_parts``, for tests.
     """
-    B, T, H, D = q.shape
-    plan, qp, kp, vp, seg = _prepare(q, k, v, window_sizes, segment_ids, scale, launches, True,
-                                     interpret)
-    out, lse2, stats = forward_call(plan, qp, kp, vp, seg)
-    lse = lse2[:, :, :T] * float(np.log(2.0))
-    return out[:, :T, :, :D], lse, jnp.max(stats[:, :, :T], axis=(0, 2))
+    out, lse2, max_abs = forward_with_rows(q, k, v, window_sizes=window_sizes,
+                                           segment_ids=segment_ids, scale=scale,
+                                           interpret=interpret, return_logit_stats=True,
+                                           launches=launches)
+    return out, lse2 * float(np.log(2.0)), max_abs
 
 
 # -- the forward and the backward as two calls (``kernels/backends.py``'s residual pair) ----
 
 def forward_with_rows(q, k, v, *, window_sizes, segment_ids, scale, interpret,
-                      return_logit_stats):
+                      return_logit_stats, launches: Launches | None = None):
     """(out [B, T, H, D], rows float32 [B, H, T]: the log2-domain logsumexp, max_abs_logit [H]
-    or None) of validated inputs."""
+    or None) of validated inputs; ``launches`` as for ``pallas_gpu_attention``."""
     T = q.shape[1]
-    plan, qp, kp, vp, seg = _prepare(q, k, v, window_sizes, segment_ids, scale, None,
+    plan, qp, kp, vp, seg = _prepare(q, k, v, window_sizes, segment_ids, scale, launches,
                                      return_logit_stats, interpret)
     out, lse2, stats = forward_call(plan, qp, kp, vp, seg)
     max_abs = jnp.max(stats[:, :, :T], axis=(0, 2)) if return_logit_stats else None

@@ -463,6 +463,23 @@ def test_three_backward_consumers_from_enough_programs():
     assert config(4 * T, D=128).consumers == 2
 
 
+@pytest.mark.parametrize("gpu", [HOPPER, HOPPER_HALF], ids=["sms132", "sms66"])
+def test_two_backward_consumers_take_128_rows_from_a_program_per_sm(gpu):
+    """Two backward consumers (D=64, below THREE_BWD_CONSUMER_MIN_PROGRAMS) take 128-row
+    query blocks where the global heads' dQ kernel still has a program per SM with them
+    (tiles of 256 rows), 64-row blocks below: a lone global head's batch of few rows."""
+    def config(T, batch):
+        case = dataclasses.replace(make_case("bf16", 64, T, batch, "1g", 128, HEADS),
+                                   gpu=gpu)
+        return heuristics.hopper_backward(case)
+
+    tile = 2 * 128
+    T = tile * gpu.sms  # one batch row: a program per SM
+    assert config(T, 1) == dataclasses.replace(config(T, 1), block_q=128, consumers=2)
+    assert config(T - tile, 1).block_q == 64 and config(T - tile, 1).consumers == 2
+    assert config(T // 2, 2).block_q == 128
+
+
 def test_short_d64_mixes_run_one_triton_backward():
     """SHORT_MIX_TRITON_BACKWARD_MAX_SEQ_LEN: an LS mix at D=64 up to it runs its whole
     backward on Triton; longer, the global heads on the Hopper backward and the local ones on

@@ -40,7 +40,8 @@ EVERY_HEAD_THREE_CONSUMER_MIN_PROGRAMS = 1024
 THREE_CONSUMER_MAX_HEAD_DIM = 128  # 160 registers hold a 64-row accumulator up to D=128
 # Three backward consumers (64-row blocks) beat two on 128-row blocks from this many programs
 # of the global heads' dQ kernel (about four waves), and only where their accumulators fit
-# 160 registers.
+# 160 registers. Below a program per SM, 128-row blocks leave SMs idle: 64-row ones double
+# the programs.
 THREE_BWD_CONSUMER_MIN_PROGRAMS = 512
 THREE_BWD_CONSUMER_MAX_HEAD_DIM = 64
 # The local heads take the Hopper backward at this head size; at D=64 the Triton kernels'
@@ -198,19 +199,19 @@ def delta_fits(config: HopperBackwardConfig, head_dim: int, itemsize: int) -> bo
 
 def hopper_backward(case: Case) -> HopperBackwardConfig:
     """The Hopper backward: three consumers on 64-row blocks where the global heads' dQ
-    kernel has programs enough and D <= 64, else two on 128-row query blocks (64 at D > 64,
-    where 128 spills); 128-key dQ blocks at D > 64 with every head global; delta in the dQ
+    kernel has programs enough and D <= 64; else two, on 128-row query blocks where the dQ
+    kernel keeps a program per SM with them and D <= 64 (at D > 64 they spill), else on
+    64-row blocks; 128-key dQ blocks at D > 64 with every head global; delta in the dQ
     kernel where it fits."""
     wide = case.head_dim > 64
+    n_global = len(case.global_heads())
     three = (case.head_dim <= THREE_BWD_CONSUMER_MAX_HEAD_DIM
-             and _tile_programs(case, len(case.global_heads()), 3 * 64)
-             >= THREE_BWD_CONSUMER_MIN_PROGRAMS)
-    consumers = 3 if three else 2
-    no_global = not case.global_heads()
-    block_q = 64 if wide or three or no_global else 128
+             and _tile_programs(case, n_global, 3 * 64) >= THREE_BWD_CONSUMER_MIN_PROGRAMS)
+    tall = (not (wide or three) and n_global
+            and _tile_programs(case, n_global, 2 * 128) >= case.gpu.sms)
     dq_block_k = 128 if wide and not case.local_heads() else 64
-    config = HopperBackwardConfig(block_q=block_q, block_k=64, dq_block_k=dq_block_k,
-                                  consumers=consumers)
+    config = HopperBackwardConfig(block_q=128 if tall else 64, block_k=64,
+                                  dq_block_k=dq_block_k, consumers=3 if three else 2)
     itemsize = jnp.dtype(case.dtype).itemsize
     return dataclasses.replace(config, dq_delta=delta_fits(config, case.head_dim, itemsize))
 

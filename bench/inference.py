@@ -155,10 +155,9 @@ def run_decode(model, B: int, ctx: int, impl: str, args) -> dict:
     # made from the cache's shapes so that no second, zero-filled cache is ever allocated
     shapes = jax.eval_shape(lambda: model.init_cache(B, max_len, dtype=jnp.bfloat16))
     key = jax.random.key(1)
-    layers = tuple(type(layer)(*(jax.random.normal(jax.random.fold_in(key, 4 * l + i), x.shape,
-                                                    x.dtype) for i, x in enumerate(layer)))
-                   for l, layer in enumerate(shapes.layers))
-    cache = shapes._replace(layers=layers, lengths_B=jnp.full((B,), ctx, jnp.int32))
+    arrays = (jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
+              for i, x in enumerate(shapes.arrays()))
+    cache = type(shapes)(*arrays, lengths_B=jnp.full((B,), ctx, jnp.int32))
     fn = jax.jit(lambda state, tokens_B, cache: decode_step(
         nnx.merge(graphdef, state), tokens_B, cache, decode_implementation=impl),
         donate_argnums=(2,))

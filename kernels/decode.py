@@ -18,7 +18,8 @@ Two entry points:
   into every cache group (a group: the slots of some kv heads, e.g. the global heads' full
   history and the local heads' ring) at the slot the caller names, and attends over every
   group at once, the new key included. On a GPU this is one kernel launch per layer
-  (``kernels/pallas_gpu/decode.py``).
+  (``kernels/pallas_gpu/decode.py``). A model's groups may hold every layer's cache
+  ([L, B, S, G, D]): the step then reads and writes the layer it is given, in place.
 - ``cached_attention``: T queries per row over one cache (a prefill chunk after the first).
 
 Backends: "reference" (float32 at HIGHEST precision: the oracle), "xla" (a masked softmax in
@@ -193,7 +194,7 @@ class CacheGroup:
     kv_heads: tuple[int, ...]
 
 
-def _check_step(q, k_new, v_new, q_pos, groups) -> None:
+def _check_step(q, k_new, v_new, q_pos, groups, layer) -> None:
     for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new)):
         if getattr(x, "ndim", None) != 3:
             raise ValueError(f"{name}: expected rank 3 [B, heads, D], got shape "
@@ -213,11 +214,19 @@ def _check_step(q, k_new, v_new, q_pos, groups) -> None:
     if held != list(range(Hkv)):
         raise ValueError(f"groups: expected every kv head 0..{Hkv - 1} in exactly one group, "
                          f"got kv_heads {[g.kv_heads for g in groups]}")
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) and (
+            getattr(layer, "shape", None) != ()
+            or not jnp.issubdtype(getattr(layer, "dtype", None), jnp.integer))):
+        raise ValueError(f"layer: expected None or an int scalar, got {layer!r}")
+    lead = () if layer is None else (None,)  # [L, ...]: the caches of L layers
     for i, g in enumerate(groups):
-        S = g.k.shape[1] if getattr(g.k, "ndim", None) == 4 else None
-        want = (B, S, len(g.kv_heads), D)
+        rank = 4 + len(lead)
+        S = g.k.shape[-3] if getattr(g.k, "ndim", None) == rank else None
+        L = g.k.shape[0] if S is not None and lead else None
+        want = (L,) * len(lead) + (B, S, len(g.kv_heads), D)
         if S is None or g.k.shape != want or g.v.shape != want:
-            raise ValueError(f"groups[{i}].k/v: expected [B={B}, S, G={len(g.kv_heads)}, "
+            layers = "L, " if lead else ""
+            raise ValueError(f"groups[{i}].k/v: expected [{layers}B={B}, S, G={len(g.kv_heads)}, "
                              f"D={D}], got {getattr(g.k, 'shape', None)} and "
                              f"{getattr(g.v, 'shape', None)}")
         if g.k.dtype not in SUPPORTED_DTYPES or g.v.dtype != g.k.dtype:
@@ -231,9 +240,11 @@ def _check_step(q, k_new, v_new, q_pos, groups) -> None:
                              f"{g.slot_B.dtype} {g.slot_B.shape}")
 
 
-def _step_masked_softmax(q, k_new, v_new, q_pos, groups, window_sizes, scale, *, implementation):
+def _step_masked_softmax(q, k_new, v_new, q_pos, groups, window_sizes, scale, *, implementation,
+                         layer=None):
     """"reference" / "xla" decode step: per group a scatter of the new key and value, then a
-    masked softmax over the group's slots (the replaced slot left out) and the new key."""
+    masked softmax over the group's slots (the replaced slot left out) and the new key; with
+    ``layer``, the groups' arrays are [L, B, S, G, D] and both act on layer ``layer``."""
     B, Hq, D = q.shape
     r = Hq // k_new.shape[1]
     rows = jnp.arange(B)
@@ -241,15 +252,22 @@ def _step_masked_softmax(q, k_new, v_new, q_pos, groups, window_sizes, scale, *,
     windows = window_array(window_sizes)
     outs, heads_of_outs, written = [], [], []
     for g in groups:
-        S = g.k.shape[1]
+        S = g.k.shape[-3]
         dtype, precision = _backend_dtype(implementation, g.k.dtype)
         # padding rows and slots outside the cache write nothing (index S: dropped)
         slot_B = jnp.where(real_B & (g.slot_B >= 0) & (g.slot_B < S), g.slot_B, S)
         k_self = take_heads(k_new, g.kv_heads, axis=1).astype(g.k.dtype)  # [B, G, D]
         v_self = take_heads(v_new, g.kv_heads, axis=1).astype(g.k.dtype)
-        k = g.k.at[rows, slot_B].set(k_self, mode="drop")
-        v = g.v.at[rows, slot_B].set(v_self, mode="drop")
-        written.append((k, v))
+        if layer is None:
+            k = g.k.at[rows, slot_B].set(k_self, mode="drop")
+            v = g.v.at[rows, slot_B].set(v_self, mode="drop")
+            written.append((k, v))
+        else:
+            k_all = g.k.at[layer, rows, slot_B].set(k_self, mode="drop")
+            v_all = g.v.at[layer, rows, slot_B].set(v_self, mode="drop")
+            written.append((k_all, v_all))
+            k, v = (jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
+                    for x in (k_all, v_all))
         q_heads = tuple(h for kv in g.kv_heads for h in range(kv * r, (kv + 1) * r))
         G = len(g.kv_heads)
         q_BxGxRxD = take_heads(q, q_heads, axis=1).reshape(B, G, r, D).astype(dtype)
@@ -279,7 +297,7 @@ def _step_masked_softmax(q, k_new, v_new, q_pos, groups, window_sizes, scale, *,
 
 def decode_step_attention(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B,
                           groups: Sequence[CacheGroup], window_sizes, *, scale=None,
-                          implementation=None, interpret=False):
+                          layer=None, implementation=None, interpret=False):
     """One decode step: each row's new token (query q_BxHxD, key and value k/v_new_BxGxD, at
     position q_pos_B; -1: a padding row) is written into every cache group at the group's
     ``slot_B``, and its query heads attend over their kv head's group and the new key.
@@ -289,23 +307,25 @@ def decode_step_attention(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B,
     and the new key (offset 0 is inside every window). A padding row writes nothing and gets
     output 0.
 
+    layer: None, or an int scalar: then each group's k and v are [L, B, S, G, D], the caches
+      of L layers (a model's), and the step reads and writes their layer ``layer`` in place.
     implementation: None (``choose_decode_implementation``), "reference", "xla" or
       "pallas_gpu" (``interpret=True``: Pallas interpret mode, on CPU).
     Returns (out [B, Hq, D] in q's dtype, ((k, v) of each group after the write)).
     """
     groups = tuple(groups)
-    _check_step(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, groups)
+    _check_step(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, groups, layer)
     window_sizes = normalize_window_sizes(window_sizes, q_BxHxD.shape[1])
     D = q_BxHxD.shape[-1]
     return decode_step_attention_validated(
         q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, groups, window_sizes,
-        scale=float(default_scale(D) if scale is None else scale),
+        scale=float(default_scale(D) if scale is None else scale), layer=layer,
         implementation=implementation, interpret=interpret)
 
 
 def decode_step_attention_validated(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, groups,
-                                    window_sizes, *, scale: float, implementation=None,
-                                    interpret=False):
+                                    window_sizes, *, scale: float, layer=None,
+                                    implementation=None, interpret=False):
     """``decode_step_attention`` for a caller that has checked the arrays and groups as it
     does and passes normalised ``window_sizes`` and a float ``scale`` (the library's layers,
     once per layer and step)."""
@@ -323,6 +343,7 @@ def decode_step_attention_validated(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, 
             q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B,
             tuple((g.k, g.v, g.k_pos, g.slot_B) for g in groups),
             kv_heads=tuple(g.kv_heads for g in groups), window_sizes=window_sizes,
-            scale=scale, interpret=interpret)
+            scale=scale, layer=None if layer is None else jnp.asarray(layer, jnp.int32),
+            interpret=interpret)
     return _step_masked_softmax(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, groups,
-                                window_sizes, scale, implementation=impl)
+                                window_sizes, scale, implementation=impl, layer=layer)

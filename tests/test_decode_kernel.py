@@ -163,6 +163,35 @@ def test_decode_step_matches_the_loop(impl, block_s):
         np.testing.assert_array_equal(v, wv)
 
 
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas_gpu"])
+def test_decode_step_on_one_layer_of_stacked_caches(impl):
+    """With ``layer``, the groups hold L layers' caches: the step equals the one-layer step
+    on that layer's arrays, writes only that layer, and leaves the others as they were."""
+    q, k_new, v_new, q_pos, groups = step_case()
+    want_out, want_kv = loop_step(q, k_new, v_new, np.asarray(q_pos), groups, STEP_WINDOWS)
+    L, layer = 3, 1
+    rng = np.random.default_rng(7)
+    stacked = tuple(
+        CacheGroup(*(jnp.stack([normal(rng, *x.shape), x, normal(rng, *x.shape)])
+                     for x in (g.k, g.v)), g.k_pos, g.slot_B, g.kv_heads) for g in groups)
+
+    def fn(q, k_new, v_new, q_pos, arrays, layer):
+        return decode_step_attention(
+            q, k_new, v_new, q_pos,
+            [CacheGroup(*a, g.kv_heads) for a, g in zip(arrays, stacked)], STEP_WINDOWS,
+            layer=layer, implementation=impl, interpret=impl == "pallas_gpu")
+    out, kv = jax.jit(fn)(q, k_new, v_new, q_pos,
+                          [(g.k, g.v, g.k_pos, g.slot_B) for g in stacked], jnp.int32(layer))
+    np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
+    for (k, v), (wk, wv), g in zip(kv, want_kv, stacked):
+        assert k.shape == g.k.shape and v.shape == g.v.shape
+        np.testing.assert_array_equal(k[layer], wk)
+        np.testing.assert_array_equal(v[layer], wv)
+        for other in set(range(L)) - {layer}:
+            np.testing.assert_array_equal(k[other], g.k[other])
+            np.testing.assert_array_equal(v[other], g.v[other])
+
+
 @pytest.mark.parametrize("B, n_local, P", [(1, 5, 128), (64, 5, 128), (1, 11, 50),
                                           (64, 11, 128), (3, 0, 0)])
 def test_decode_programs_each_read_their_own_group(B, n_local, P):
@@ -204,22 +233,25 @@ def test_decode_warps_bound_the_registers_per_thread(D):
     assert BLOCK_S * D / (32 * warps) <= 128  # tile elements per thread
 
 
-@pytest.mark.parametrize("D, S_global", [(32, 37),  # one block of 64 (the clamp)
-                                         (64, 300)])  # three blocks of 128, two warps
-def test_pallas_decode_step_lowers_to_triton_for_an_h100(D, S_global):
+@pytest.mark.parametrize("D, S_global, layers", [(32, 37, None),  # one block of 64 (the clamp)
+                                                 (64, 300, None),  # three blocks of 128
+                                                 (64, 300, 4)])  # one layer of a model's 4
+def test_pallas_decode_step_lowers_to_triton_for_an_h100(D, S_global, layers):
     """The kernel's Triton lowering (jaxpr -> Triton IR, run by JAX in Python) for an abstract
     Hopper GPU, without a GPU: what interpret mode does not exercise."""
     from ls_jax.kernels.pallas_gpu.decode import pallas_gpu_decode_step
 
     q, k_new, v_new, q_pos, groups = step_case(S_global=S_global, D=D)
     args = [x.astype(jnp.bfloat16) for x in (q, k_new, v_new)]
-    flat = tuple((g.k.astype(jnp.bfloat16), g.v.astype(jnp.bfloat16), g.k_pos, g.slot_B)
-                 for g in groups)
+    lead = (lambda x: x) if layers is None else (lambda x: jnp.stack([x] * layers))
+    flat = tuple((lead(g.k.astype(jnp.bfloat16)), lead(g.v.astype(jnp.bfloat16)), g.k_pos,
+                  g.slot_B) for g in groups)
 
     def step(q, k_new, v_new, q_pos, flat):
         return pallas_gpu_decode_step(q, k_new, v_new, q_pos, flat,
                                       kv_heads=tuple(g.kv_heads for g in groups),
-                                      window_sizes=STEP_WINDOWS, scale=0.2)
+                                      window_sizes=STEP_WINDOWS, scale=0.2,
+                                      layer=None if layers is None else jnp.int32(2))
 
     h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
                                        platform="cuda")

@@ -13,7 +13,7 @@ from flax import nnx
 from ls_jax.config import ModelConfig
 from ls_jax.inference.generate import (decode_step, generate, prefill_chunk_fn,
                               prefill_compiler_options, sample_logits)
-from ls_jax.layers.kv_cache import CacheLayout, ring_positions
+from ls_jax.layers.kv_cache import CacheLayout, CacheStep, ring_positions
 from ls_jax.layers.transformer import Transformer
 
 
@@ -197,7 +197,7 @@ def test_cache_bytes_match_the_formula(dtype):
     assert mhsa_cache.nbytes() == L * 2 * B * H * T * D * item
     ratio = Fraction(ls_cache.nbytes(), mhsa_cache.nbytes())
     assert ratio == (1 + Fraction((H - 1) * p, T)) / H
-    arrays = [x for layer in ls_cache.layers for x in layer]
+    arrays = ls_cache.arrays()
     assert sum(x.nbytes for x in arrays) == ls_cache.nbytes()
 
 
@@ -279,3 +279,31 @@ def test_a_fresh_prefill_chunk_is_partitioned_like_training(monkeypatch):
         prefill(model, [[1, 2, 3], [4, 5]], model.init_cache(2, 16, dtype=jnp.float32),
                 chunk_size=8)
     assert training is not None and specs[-1] == training
+
+
+@pytest.mark.parametrize("n_global_heads", [1, 4], ids=["ls", "mhsa"])
+def test_decode_step_writes_every_layer_in_place(n_global_heads):
+    """A decode step runs the blocks' scan unrolled (no loop) and each layer's write lands in
+    the donated cache arrays [L, ...]: no copy of a cache array in the compiled step."""
+    import re
+    model = tiny_model(n_layer=3, n_global_heads=n_global_heads)
+    graphdef, state = nnx.split(model)
+    cache = model.init_cache(2, 48, dtype=jnp.bfloat16)
+    text = step_fn(graphdef, None).lower(state, jnp.zeros((2,), jnp.int32), cache).compile()\
+        .as_text()
+    assert " while(" not in text
+    shapes = {",".join(map(str, x.shape)) for x in cache.arrays() if x.size}
+    copies = [line for line in text.splitlines()
+              if re.search(r"= bf16\[([\d,]+)\]\S* copy\(", line)
+              and re.search(r"= bf16\[([\d,]+)\]", line).group(1) in shapes]
+    assert copies == []
+
+
+def test_a_cached_call_names_a_layer_of_the_cache():
+    model = tiny_model(n_layer=2)
+    cache = model.init_cache(1, 8)
+    step = CacheStep(cache.lengths_B, cache.lengths_B + 1)
+    x = jnp.zeros((1, 1, model.cfg.d_model))
+    with pytest.raises(ValueError, match=r"layer: expected 0 <= layer < 2"):
+        model.blocks[0].attn(x, positions=jnp.zeros((1, 1), jnp.int32), cache=cache, step=step,
+                             layer=2)

@@ -4,7 +4,7 @@ groups and attended with every query head in one launch.
 ``kernels.decode.decode_step_attention`` for GPUs. Flash-decoding: the grid is (row,
 program), a program being one (query head, split) pair of a static table; each program streams
 its share of its kv head's cache group in blocks of ``block_s`` slots (masked loads, so no
-padding or copy of the cache), keeps an online softmax in float32 and writes a partial output
+padding or copy of the cache; of one layer where the caches hold every layer's), keeps an online softmax in float32 and writes a partial output
 with its running max and sum; a few XLA ops merge the splits. Each group has its own split
 count (``_plan`` of its slots and heads), so a batch-1 step splits a global head's full
 history over enough programs to fill the GPU while a local head's ring gets one program per
@@ -65,14 +65,20 @@ def programs(B: int, Hq: int, group_of_head: Sequence[int], slots: Sequence[int]
     return table, plans
 
 
+_FIXED_INPUTS = 10  # q, k_new, v_new, q_pos, layer, windows, groups, heads, program heads, splits
+
+
 def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split: tuple[int, ...],
                  block_s: int, group: int, scale: float):
-    q_ref, kn_ref, vn_ref, qpos_ref, win_ref, grp_ref, head_ref, ph_ref, ps_ref = refs[:9]
-    group_refs = [refs[9 + 4 * i: 13 + 4 * i] for i in range(n_groups)]
-    acc_ref, m_ref, l_ref = refs[9 + 4 * n_groups: 12 + 4 * n_groups]
-    out_refs = [refs[12 + 4 * n_groups + 2 * i: 14 + 4 * n_groups + 2 * i]
+    (q_ref, kn_ref, vn_ref, qpos_ref, layer_ref, win_ref, grp_ref, head_ref, ph_ref,
+     ps_ref) = refs[:_FIXED_INPUTS]
+    n = _FIXED_INPUTS
+    group_refs = [refs[n + 4 * i: n + 4 + 4 * i] for i in range(n_groups)]
+    acc_ref, m_ref, l_ref = refs[n + 4 * n_groups: n + 3 + 4 * n_groups]
+    out_refs = [refs[n + 3 + 4 * n_groups + 2 * i: n + 5 + 4 * n_groups + 2 * i]
                 for i in range(n_groups)]
     b, j = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]  # the caches are [L, B, S, G, D]: this step's layer
     h, sp = ph_ref[j], ps_ref[j]  # this program's query head and split
     D = q_ref.shape[-1]
     kv = jax.lax.div(h, jnp.int32(group))  # the new token's kv head that query head h reads
@@ -93,8 +99,8 @@ def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split:
 
         @pl.when(real & (sp == 0) & (jax.lax.rem(h, group) == 0) & (slot >= 0) & (slot < S))
         def _write():
-            plgpu.store(k_out_ref.at[b, slot, cache_head, pl.ds(0, D)], k_new_D)
-            plgpu.store(v_out_ref.at[b, slot, cache_head, pl.ds(0, D)], v_new_D)
+            plgpu.store(k_out_ref.at[layer, b, slot, cache_head, pl.ds(0, D)], k_new_D)
+            plgpu.store(v_out_ref.at[layer, b, slot, cache_head, pl.ds(0, D)], v_new_D)
 
         first = sp * per_split * block_s
 
@@ -106,13 +112,15 @@ def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split:
             k_pos_S = plgpu.load(kpos_ref.at[b, pl.ds(start, block_s)], mask=inside_S, other=-1)
             ok_S = inside_S & (k_pos_S >= 0) & allowed(q_pos, k_pos_S, window)
             ok_SxD = jnp.broadcast_to(ok_S[:, None], (block_s, D))
-            k_SxD = plgpu.load(k_ref.at[b, pl.ds(start, block_s), cache_head, pl.ds(0, D)],
+            k_SxD = plgpu.load(k_ref.at[layer, b, pl.ds(start, block_s), cache_head,
+                                        pl.ds(0, D)],
                                mask=ok_SxD, other=0.0).astype(jnp.float32)
             s_S = jnp.where(ok_S, jnp.sum(k_SxD * q_D[None, :], axis=1), _NEG)
             m_new = jnp.maximum(m, jnp.max(s_S))
             alpha = jnp.exp(m - m_new)
             p_S = jnp.where(ok_S, jnp.exp(s_S - m_new), 0.0)
-            v_SxD = plgpu.load(v_ref.at[b, pl.ds(start, block_s), cache_head, pl.ds(0, D)],
+            v_SxD = plgpu.load(v_ref.at[layer, b, pl.ds(start, block_s), cache_head,
+                                        pl.ds(0, D)],
                                mask=ok_SxD, other=0.0).astype(jnp.float32)
             acc_D = acc_D * alpha + jnp.sum(p_S[:, None] * v_SxD, axis=0)
             return acc_D, m_new, l * alpha + jnp.sum(p_S)
@@ -135,10 +143,12 @@ def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split:
 @functools.partial(jax.jit, static_argnames=("kv_heads", "window_sizes", "scale", "interpret",
                                              "block_s"))
 def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_sizes, scale,
-                           interpret=False, block_s: int = BLOCK_S):
+                           layer=None, interpret=False, block_s: int = BLOCK_S):
     """``kernels.decode.decode_step_attention`` (validated inputs): q [B, Hq, D], k/v_new
     [B, Hkv, D], q_pos [B], groups ((k, v [B, S, G, D], k_pos [B, S], slot [B]), ...) with
-    kv_heads ((kv heads of each group), ...). Returns (out [B, Hq, D], ((k, v), ...))."""
+    kv_heads ((kv heads of each group), ...); with ``layer`` (an int32 scalar) every group's
+    k and v are [L, B, S, G, D] and the step reads and writes their layer ``layer`` in place.
+    Returns (out [B, Hq, D], ((k, v), ...)), k and v as given."""
     B, Hq, D = q.shape
     if D & (D - 1):
         raise ValueError(f"q: the pallas_gpu decode kernel needs a power-of-two head_dim, got {D}")
@@ -148,7 +158,11 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
     where = {kv: (i, j) for i, heads in enumerate(kv_heads) for j, kv in enumerate(heads)}
     grp_H = np.array([where[h // group][0] for h in range(Hq)], np.int32)
     head_H = np.array([where[h // group][1] for h in range(Hq)], np.int32)
-    slots = tuple(int(k.shape[1]) for k, _, _, _ in groups)
+    stacked = layer is not None
+    if not stacked:  # one layer: a leading axis of 1 (a bitcast; the write stays in place)
+        groups = tuple((k[None], v[None], kp, sl) for k, v, kp, sl in groups)
+        layer = 0
+    slots = tuple(int(k.shape[2]) for k, _, _, _ in groups)
     block_s = min(block_s, max(16, 1 << (max(slots) - 1).bit_length()))
     table, plans = programs(B, Hq, grp_H.tolist(), slots, block_s)
     splits, per_split = zip(*plans)
@@ -163,9 +177,9 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
                  jax.ShapeDtypeStruct((B, most, Hq), jnp.float32)]
     aliases = {}
     for i, (k, v, _, _) in enumerate(groups):
-        aliases[9 + 4 * i] = len(out_shape)
+        aliases[_FIXED_INPUTS + 4 * i] = len(out_shape)
         out_shape.append(jax.ShapeDtypeStruct(k.shape, k.dtype))
-        aliases[10 + 4 * i] = len(out_shape)
+        aliases[_FIXED_INPUTS + 1 + 4 * i] = len(out_shape)
         out_shape.append(jax.ShapeDtypeStruct(v.shape, v.dtype))
     acc, m, l, *caches = pl.pallas_call(
         kernel,
@@ -175,7 +189,8 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
         compiler_params=plgpu.CompilerParams(num_warps=num_warps(D), num_stages=2),
         interpret=interpret,
         name="ls_decode_step",
-    )(q, k_new, v_new, q_pos, jnp.asarray(window_array(window_sizes)), jnp.asarray(grp_H),
+    )(q, k_new, v_new, q_pos, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
+      jnp.asarray(window_array(window_sizes)), jnp.asarray(grp_H),
       jnp.asarray(head_H), jnp.asarray(np.array([h for h, _ in table], np.int32)),
       jnp.asarray(np.array([sp for _, sp in table], np.int32)), *flat)
     # split sp of head h exists iff its group has more than sp splits; the others are never
@@ -188,4 +203,6 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
     w = jnp.where(l > 0, jnp.exp(m - m_max), 0.0)
     denom = jnp.sum(l * w, axis=1)
     out = jnp.sum(acc * w[..., None], axis=1) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    if not stacked:
+        caches = [c[0] for c in caches]
     return out.astype(q.dtype), tuple(zip(caches[0::2], caches[1::2]))

@@ -26,8 +26,9 @@ from ls_jax.kernels.decode import (cached_attention_validated,
 from ls_jax.kernels.plan import check_backend_options
 from ls_jax.kernels.heads import kv_group_size, take_heads
 from ls_jax.kernels.reference import default_scale
-from ls_jax.layers.kv_cache import (CacheLayout, CacheStep, LayerCache, decode_groups,
-                             global_positions, ring_positions, with_written, write_layer)
+from ls_jax.layers.kv_cache import (CacheLayout, CacheStep, KVCache, decode_groups,
+                                    global_positions, layer_of, ring_positions, with_written,
+                                    write_layer)
 from ls_jax.layers.rope import apply_rope
 from ls_jax.sharding import attention_spec
 
@@ -156,12 +157,13 @@ class LSAttention(nnx.Module):
 
     def __call__(self, x_BxTxM: jax.Array, *, positions: jax.Array | None = None,
                  segment_ids: jax.Array | None = None, return_logit_stats: bool = False,
-                 cache: LayerCache | None = None, step: CacheStep | None = None):
+                 cache: KVCache | None = None, step: CacheStep | None = None, layer=0):
         """Returns y [B, T, d_model], or (y, max_abs_logit [n_head]) with return_logit_stats.
 
-        With ``cache`` (this layer's ``LayerCache``) and ``step`` (``CacheStep``), the T new
-        tokens at ``positions`` attend over the cache and are written into it; returns
-        (y, the updated LayerCache). See ``attend_cached``.
+        With ``cache`` (a ``KVCache`` of this layer's ``cache_layout``) and ``step``
+        (``CacheStep``), the T new tokens at ``positions`` attend over the cache's layer
+        ``layer`` and are written into it; returns (y, the updated KVCache). See
+        ``attend_cached``.
         """
         check_input(x_BxTxM, self.d_model, positions, segment_ids)
         if (cache is None) != (step is None):
@@ -171,16 +173,21 @@ class LSAttention(nnx.Module):
                                   or return_logit_stats):
             raise ValueError("cache: a cached call takes positions, and neither segment_ids "
                              "nor return_logit_stats")
+        if cache is not None and isinstance(layer, int) and not 0 <= layer < cache.num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < {cache.num_layers} (the cache's "
+                             f"layers), got {layer}")
         return self.forward(x_BxTxM, positions=positions, segment_ids=segment_ids,
-                            return_logit_stats=return_logit_stats, cache=cache, step=step)
+                            return_logit_stats=return_logit_stats, cache=cache, step=step,
+                            layer=layer)
 
     def forward(self, x_BxTxM: jax.Array, *, positions=None, segment_ids=None,
-                return_logit_stats: bool = False, cache: LayerCache | None = None,
-                step: CacheStep | None = None):
+                return_logit_stats: bool = False, cache: KVCache | None = None,
+                step: CacheStep | None = None, layer=0):
         """``__call__`` on inputs its checks passed."""
         q_BxTxHxD, k_BxTxGxD, v_BxTxGxD = self.project(x_BxTxM)
         if cache is not None:
-            return self.attend_cached(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, cache, positions, step)
+            return self.attend_cached(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, cache, layer, positions,
+                                      step)
         return attend(q_BxTxHxD, k_BxTxGxD, v_BxTxGxD, self.o_proj, self.window_sizes,
                       q_norm=self.q_norm, k_norm=self.k_norm, rope_theta=self.rope_theta,
                       dtype=self.dtype, implementation=self.implementation,
@@ -196,15 +203,16 @@ class LSAttention(nnx.Module):
 
     # -- decoding with a KV cache (ls_jax/layers/kv_cache.py, ls_jax/inference/generate.py) ----------------------
 
-    def attend_cached(self, q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, cache: LayerCache, positions_BxC,
-                      step: CacheStep):
-        """Attention of C new tokens per row (projected) that also writes them into ``cache``.
+    def attend_cached(self, q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, cache: KVCache, layer,
+                      positions_BxC, step: CacheStep):
+        """Attention of C new tokens per row (projected) that also writes them into layer
+        ``layer`` of ``cache``.
 
         A fresh step (an empty cache, positions 0 .. C-1: the first prefill chunk) attends with
         one ``ls_attention`` call, the full-sequence kernel. Otherwise queries read the cache
         through ``kernels.decode.cached_attention``; with C == 1 (a decode step) one
         ``kernels.decode.decode_step_attention`` call writes the token and attends (local heads
-        read only their ring buffer). Returns (y [B, C, d_model], the updated LayerCache).
+        read only their ring buffer). Returns (y [B, C, d_model], the updated KVCache).
         """
         B, C = q_BxCxHxD.shape[:2]
         layout = self.cache_layout
@@ -213,25 +221,29 @@ class LSAttention(nnx.Module):
             rope_theta=self.rope_theta, dtype=self.dtype)
         if C == 1 and not step.fresh:
             out_BxHxD, new_cache = decode_step(
-                layout, cache, q_BxCxHxD[:, 0], k_BxCxGxD[:, 0], v_BxCxGxD[:, 0],
+                layout, cache, layer, q_BxCxHxD[:, 0], k_BxCxGxD[:, 0], v_BxCxGxD[:, 0],
                 positions_BxC[:, 0], step, self.window_sizes, interpret=self.interpret)
             return self.o_proj(out_BxHxD.reshape(B, 1, self.n_head * self.head_dim)), new_cache
-        new_cache = write_layer(cache, layout, k_BxCxGxD, v_BxCxGxD, positions_BxC, step)
+        new_cache = write_layer(cache, layout, layer, k_BxCxGxD, v_BxCxGxD, positions_BxC, step)
         if step.fresh:
             out_BxCxHxD = kernel_attention(q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, self.window_sizes,
                                            implementation=self.implementation,
                                            interpret=self.interpret)
         else:
-            out_BxCxHxD = self._read_cache(q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, layout, cache,
-                                           new_cache, positions_BxC, step)
+            out_BxCxHxD = self._read_cache(q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, layout,
+                                           layer_of(cache.k_local, layer),
+                                           layer_of(cache.v_local, layer),
+                                           layer_of(new_cache.k_global, layer),
+                                           layer_of(new_cache.v_global, layer),
+                                           positions_BxC, step)
         y_BxCxM = self.o_proj(out_BxCxHxD.reshape(B, C, self.n_head * self.head_dim))
         return y_BxCxM, new_cache
 
-    def _read_cache(self, q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, layout, old, new, positions_BxC,
-                    step):
-        """A prefill chunk's attention over the cache: the global kv heads' part over the
-        written global cache, the local ones' over the old ring, then the chunk's own keys,
-        put back in head order."""
+    def _read_cache(self, q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, layout, k_ring, v_ring, k_global,
+                    v_global, positions_BxC, step):
+        """A prefill chunk's attention over the layer's cache: the global kv heads' part over
+        the written global cache (``k_global``, ``v_global``), the local ones' over the old
+        ring (``k_ring``, ``v_ring``), then the chunk's own keys, put back in head order."""
         new_lengths_B = step.new_lengths_B
         q_sorted = take_heads(q_BxCxHxD, layout.q_order)
         n_qg = len(layout.global_windows)
@@ -240,15 +252,15 @@ class LSAttention(nnx.Module):
         parts = []
         if layout.global_kv:
             parts.append(cached_attention_validated(
-                q_sorted[:, :, :n_qg], new.k_global, new.v_global, q_pos_BxC,
-                global_positions(new_lengths_B, new.k_global.shape[1]), layout.global_windows,
+                q_sorted[:, :, :n_qg], k_global, v_global, q_pos_BxC,
+                global_positions(new_lengths_B, k_global.shape[1]), layout.global_windows,
                 scale=scale, implementation=step.decode_implementation))
         if layout.local_kv:
             k_loc, v_loc = (take_heads(x, layout.local_kv) for x in (k_BxCxGxD, v_BxCxGxD))
-            k_read = jnp.concatenate([old.k_local, k_loc.astype(old.k_local.dtype)], 1)
-            v_read = jnp.concatenate([old.v_local, v_loc.astype(old.v_local.dtype)], 1)
+            k_read = jnp.concatenate([k_ring, k_loc.astype(k_ring.dtype)], 1)
+            v_read = jnp.concatenate([v_ring, v_loc.astype(v_ring.dtype)], 1)
             k_pos = jnp.concatenate(
-                [ring_positions(step.old_lengths_B, old.k_local.shape[1]), q_pos_BxC], 1)
+                [ring_positions(step.old_lengths_B, k_ring.shape[1]), q_pos_BxC], 1)
             parts.append(cached_attention_validated(
                 q_sorted[:, :, n_qg:], k_read, v_read, q_pos_BxC, k_pos, layout.local_windows,
                 scale=scale, implementation=step.decode_implementation))
@@ -256,19 +268,19 @@ class LSAttention(nnx.Module):
         return take_heads(out_sorted, layout.q_inverse).astype(q_BxCxHxD.dtype)
 
 
-def decode_step(layout: CacheLayout, cache: LayerCache, q_BxHxD, k_BxGxD, v_BxGxD, positions_B,
-                step: CacheStep, window_sizes, *, interpret: bool = False):
+def decode_step(layout: CacheLayout, cache: KVCache, layer, q_BxHxD, k_BxGxD, v_BxGxD,
+                positions_B, step: CacheStep, window_sizes, *, interpret: bool = False):
     """One new token per row at ``positions_B`` (a row whose position is not below
     ``step.new_lengths_B`` is padding: it writes nothing): one
-    ``kernels.decode.decode_step_attention`` call writes its key and value into the cache
-    (``kv_cache.decode_groups``) and every head attends. Returns (out [B, H, D], the
-    LayerCache)."""
+    ``kernels.decode.decode_step_attention`` call writes its key and value into layer
+    ``layer`` of the cache (``kv_cache.decode_groups``) and every head attends. Returns
+    (out [B, H, D], the KVCache)."""
     q_pos_B = jnp.where(positions_B < step.new_lengths_B, positions_B, -1)
     out_BxHxD, written = decode_step_attention_validated(
         q_BxHxD, k_BxGxD, v_BxGxD, q_pos_B,
         tuple(decode_groups(layout, cache, positions_B, step.old_lengths_B)), window_sizes,
-        scale=default_scale(q_BxHxD.shape[-1]), implementation=step.decode_implementation,
-        interpret=interpret)
+        scale=default_scale(q_BxHxD.shape[-1]), layer=layer,
+        implementation=step.decode_implementation, interpret=interpret)
     return out_BxHxD, with_written(layout, cache, written)
 
 

@@ -12,7 +12,9 @@ congruent to s mod P. A window of p keys includes the current one, so P = p slot
 Per row the cache records ``lengths_B``: the number of positions written (the next position
 is ``lengths_B[b]``). Slot positions follow from it (``global_positions``,
 ``ring_positions``); slots not yet written have position -1. Shapes are static; the cache is
-a pytree of arrays (``KVCache`` of per-layer ``LayerCache``), bf16 unless asked otherwise.
+a pytree of arrays (``KVCache``), bf16 unless asked otherwise. Every layer of a model has the
+same layout, so each array holds every layer's cache along a leading axis L: the blocks' scan
+reads and writes layer l of it in place (the decode kernel takes the layer index).
 """
 
 from __future__ import annotations
@@ -75,15 +77,6 @@ class CacheLayout:
         return tuple(int(i) for i in np.argsort(np.array(self.q_order)))
 
 
-class LayerCache(NamedTuple):
-    """One layer: k/v of the global kv heads [B, T_max, Gg, D] and the ring [B, P, Gl, D]."""
-
-    k_global: jax.Array
-    v_global: jax.Array
-    k_local: jax.Array
-    v_local: jax.Array
-
-
 class CacheStep(NamedTuple):
     """What a layer's call that reads and writes its cache needs besides the new tokens and
     their positions (``Transformer.decode`` makes one per call, shared by every layer).
@@ -102,28 +95,39 @@ class CacheStep(NamedTuple):
 
 
 class KVCache(NamedTuple):
-    layers: tuple[LayerCache, ...]
+    """Every layer's cache: k/v of the global kv heads [L, B, T_max, Gg, D], the rings
+    [L, B, P, Gl, D], and the positions written per row."""
+
+    k_global: jax.Array
+    v_global: jax.Array
+    k_local: jax.Array
+    v_local: jax.Array
     lengths_B: jax.Array  # int32 [B]: positions written per row
 
     @property
     def max_len(self) -> int:
-        return self.layers[0].k_global.shape[1]
+        return self.k_global.shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k_global.shape[0]
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """The k/v arrays."""
+        return (self.k_global, self.v_global, self.k_local, self.v_local)
 
     def nbytes(self) -> int:
         """Bytes of the k/v arrays as allocated."""
-        return sum(x.size * x.dtype.itemsize for layer in self.layers for x in layer)
+        return sum(x.size * x.dtype.itemsize for x in self.arrays())
 
 
-def init_cache(layouts, batch_size: int, max_len: int, head_dim: int,
-               dtype=jnp.bfloat16) -> KVCache:
-    """An empty cache for layers with these ``CacheLayout``s."""
-    layers = []
-    for lay in layouts:
-        g = (batch_size, max_len, len(lay.global_kv), head_dim)
-        l = (batch_size, lay.ring_size(max_len), len(lay.local_kv), head_dim)
-        layers.append(LayerCache(jnp.zeros(g, dtype), jnp.zeros(g, dtype), jnp.zeros(l, dtype),
-                                 jnp.zeros(l, dtype)))
-    return KVCache(tuple(layers), jnp.zeros((batch_size,), jnp.int32))
+def init_cache(layout: CacheLayout, num_layers: int, batch_size: int, max_len: int,
+               head_dim: int, dtype=jnp.bfloat16) -> KVCache:
+    """An empty cache for ``num_layers`` layers of this ``CacheLayout``."""
+    g = (num_layers, batch_size, max_len, len(layout.global_kv), head_dim)
+    l = (num_layers, batch_size, layout.ring_size(max_len), len(layout.local_kv), head_dim)
+    return KVCache(jnp.zeros(g, dtype), jnp.zeros(g, dtype), jnp.zeros(l, dtype),
+                   jnp.zeros(l, dtype), jnp.zeros((batch_size,), jnp.int32))
 
 
 def global_positions(lengths_B: jax.Array, max_len: int) -> jax.Array:
@@ -140,12 +144,13 @@ def ring_positions(lengths_B: jax.Array, ring_size: int) -> jax.Array:
     return jnp.where(pos >= 0, pos, -1)
 
 
-def write_global(cache_BxSxGxD, new_BxCxGxD, positions_BxC):
-    """Writes the new keys at slot = position, per row (positions past T_max are dropped)."""
-    B = cache_BxSxGxD.shape[0]
+def write_global(cache_LxBxSxGxD, layer, new_BxCxGxD, positions_BxC):
+    """Writes the new keys of ``layer`` at slot = position, per row (positions past T_max
+    are dropped)."""
+    B = cache_LxBxSxGxD.shape[1]
     rows = jnp.arange(B)[:, None]
-    return cache_BxSxGxD.at[rows, positions_BxC].set(new_BxCxGxD.astype(cache_BxSxGxD.dtype),
-                                                     mode="drop")
+    return cache_LxBxSxGxD.at[layer, rows, positions_BxC].set(
+        new_BxCxGxD.astype(cache_LxBxSxGxD.dtype), mode="drop")
 
 
 def update_ring(ring_BxPxGxD, new_BxCxGxD, old_lengths_B, new_lengths_B, start_B):
@@ -161,51 +166,58 @@ def update_ring(ring_BxPxGxD, new_BxCxGxD, old_lengths_B, new_lengths_B, start_B
     return jnp.take_along_axis(both, idx_BxP[:, :, None, None], axis=1)
 
 
-def write_layer(cache: LayerCache, layout: CacheLayout, k_BxCxGxD, v_BxCxGxD, positions_BxC,
-                step: CacheStep) -> LayerCache:
-    """``cache`` with C new keys and values per row written: the global kv heads' at slot =
-    position, the local kv heads' into the ring. A fresh chunk (positions 0 .. C-1) is one
-    slice update of the global cache."""
+def layer_of(cache_LxBxSxGxD, layer):
+    """[B, S, G, D]: the cache of ``layer``."""
+    return jax.lax.dynamic_index_in_dim(cache_LxBxSxGxD, layer, keepdims=False)
+
+
+def write_layer(cache: KVCache, layout: CacheLayout, layer, k_BxCxGxD, v_BxCxGxD,
+                positions_BxC, step: CacheStep) -> KVCache:
+    """``cache`` with C new keys and values per row written into ``layer``: the global kv
+    heads' at slot = position, the local kv heads' into the ring. A fresh chunk (positions
+    0 .. C-1) is one slice update of the global cache."""
     k_glob, v_glob = (take_heads(x, layout.global_kv) for x in (k_BxCxGxD, v_BxCxGxD))
     C = k_BxCxGxD.shape[1]
-    if step.fresh and C <= cache.k_global.shape[1]:
+    if step.fresh and C <= cache.max_len:
         k_global, v_global = (
-            jax.lax.dynamic_update_slice(old, new.astype(old.dtype), (0, 0, 0, 0))
+            jax.lax.dynamic_update_slice(old, new[None].astype(old.dtype), (layer, 0, 0, 0, 0))
             for old, new in ((cache.k_global, k_glob), (cache.v_global, v_glob)))
     else:
-        k_global = write_global(cache.k_global, k_glob, positions_BxC)
-        v_global = write_global(cache.v_global, v_glob, positions_BxC)
+        k_global = write_global(cache.k_global, layer, k_glob, positions_BxC)
+        v_global = write_global(cache.v_global, layer, v_glob, positions_BxC)
     k_local, v_local = cache.k_local, cache.v_local
     if layout.local_kv:
         start_B = positions_BxC[:, 0]
         k_local, v_local = (
-            update_ring(old, take_heads(new, layout.local_kv), step.old_lengths_B,
-                        step.new_lengths_B, start_B)
+            old.at[layer].set(update_ring(layer_of(old, layer), take_heads(new, layout.local_kv),
+                                          step.old_lengths_B, step.new_lengths_B, start_B))
             for old, new in ((cache.k_local, k_BxCxGxD), (cache.v_local, v_BxCxGxD)))
-    return LayerCache(k_global, v_global, k_local, v_local)
+    return cache._replace(k_global=k_global, v_global=v_global, k_local=k_local,
+                          v_local=v_local)
 
 
-def decode_groups(layout: CacheLayout, cache: LayerCache, positions_B,
+def decode_groups(layout: CacheLayout, cache: KVCache, positions_B,
                   old_lengths_B) -> list[CacheGroup]:
     """The cache groups a decode step (one new token per row at ``positions_B``) reads and
-    writes through ``kernels.decode.decode_step_attention``: the global kv heads' cache (the
-    token goes to slot = position) and the ring (slot = position mod P), each with the
-    positions its slots hold before the step."""
+    writes through ``kernels.decode.decode_step_attention`` with the step's layer: the global
+    kv heads' cache (the token goes to slot = position) and the ring (slot = position mod P),
+    each with the positions its slots hold before the step, the arrays of every layer."""
     groups = []
     if layout.global_kv:
         groups.append(CacheGroup(cache.k_global, cache.v_global,
-                                 global_positions(old_lengths_B, cache.k_global.shape[1]),
+                                 global_positions(old_lengths_B, cache.max_len),
                                  positions_B, layout.global_kv))
     if layout.local_kv:
-        P = cache.k_local.shape[1]
+        P = cache.k_local.shape[2]
         groups.append(CacheGroup(cache.k_local, cache.v_local, ring_positions(old_lengths_B, P),
                                  jnp.mod(positions_B, P), layout.local_kv))
     return groups
 
 
-def with_written(layout: CacheLayout, cache: LayerCache, written) -> LayerCache:
+def with_written(layout: CacheLayout, cache: KVCache, written) -> KVCache:
     """``cache`` with the (k, v) of each of its ``decode_groups`` as the decode step wrote
     them."""
     k_global, v_global = written[0] if layout.global_kv else (cache.k_global, cache.v_global)
     k_local, v_local = written[-1] if layout.local_kv else (cache.k_local, cache.v_local)
-    return LayerCache(k_global, v_global, k_local, v_local)
+    return cache._replace(k_global=k_global, v_global=v_global, k_local=k_local,
+                          v_local=v_local)

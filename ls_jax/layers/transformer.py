@@ -10,7 +10,7 @@ from flax import nnx
 
 from ls_jax.layers.attention import LSAttention, check_positions, partitioned
 from ls_jax.config import ModelConfig
-from ls_jax.layers.kv_cache import CacheStep, KVCache, LayerCache, init_cache
+from ls_jax.layers.kv_cache import CacheStep, KVCache, init_cache
 from ls_jax.sharding import constrain_batch
 
 # model.remat -> what a block keeps for its backward pass (None: no checkpointing)
@@ -75,17 +75,17 @@ class Block(nnx.Module):
         self.compute_dtype = _dtype(cfg.compute_dtype)
 
     def __call__(self, x_BxTxM, *, positions=None, segment_ids=None,
-                 return_logit_stats: bool = False, cache: LayerCache | None = None,
-                 step: CacheStep | None = None):
-        """Returns (x, max_abs_logit_H or None, the updated LayerCache or None).
+                 return_logit_stats: bool = False, cache: KVCache | None = None,
+                 step: CacheStep | None = None, layer=0):
+        """Returns (x, max_abs_logit_H or None, the updated KVCache or None).
 
         The statistics come with ``return_logit_stats`` (the attention kernel computes them
-        only then); with ``cache`` and ``step`` the tokens at ``positions`` attend over this
-        layer's KV cache and are written into it (``LSAttention.__call__``).
+        only then); with ``cache`` and ``step`` the tokens at ``positions`` attend over layer
+        ``layer`` of the KV cache and are written into it (``LSAttention.__call__``).
         """
         h = self.attn.forward(self.ln1(x_BxTxM).astype(self.compute_dtype), positions=positions,
                               segment_ids=segment_ids, return_logit_stats=return_logit_stats,
-                              cache=cache, step=step)
+                              cache=cache, step=step, layer=layer)
         stats_H = None
         if cache is not None:
             h, cache = h
@@ -165,8 +165,8 @@ class Transformer(nnx.Module):
                 f"learned position table")
         # the residual stream: batch-split, model dims whole
         x_BxTxM = constrain_batch(self._embed(tokens_BxT, positions))
-        x_BxTxM, max_abs_logit_LxH = self._scan_blocks(x_BxTxM, positions, segment_ids,
-                                                       return_stats)
+        x_BxTxM, max_abs_logit_LxH, _ = self._scan_blocks(
+            x_BxTxM, positions=positions, segment_ids=segment_ids, return_stats=return_stats)
         logits_BxTxV = self._logits(x_BxTxM)
         if not return_stats:
             return logits_BxTxV
@@ -191,30 +191,40 @@ class Transformer(nnx.Module):
             return self.embed.attend(h_BxTxM).astype(jnp.float32)
         return self.lm_head(h_BxTxM).astype(jnp.float32)
 
-    def _scan_blocks(self, x_BxTxM, positions, segment_ids, return_stats: bool):
-        """The blocks as one ``jax.lax.scan`` over their stacked parameters, traced once (the
-        block and its attention kernels are lowered once whatever the depth) and unrolled in
-        the compiled program: XLA fuses and schedules across unrolled blocks, where a rolled
-        loop pays each step for slicing the stacked parameters and carrying its buffers.
-        Returns (x, max_abs_logit [L, H] or None); ``model.remat`` checkpoints each block."""
+    def _scan_blocks(self, x_BxTxM, *, positions, segment_ids=None, return_stats: bool = False,
+                     cache: KVCache | None = None, step: CacheStep | None = None):
+        """The blocks as one ``jax.lax.scan`` over their stacked parameters and layer
+        indices, traced once (the block and its attention kernels are lowered once whatever
+        the depth) and unrolled in the compiled program: XLA fuses and schedules across
+        unrolled blocks, where a rolled loop pays each step for slicing the stacked parameters
+        and carrying its buffers. Training, evaluation and decoding all run it; a decoding
+        ``cache`` (every layer's, ``KVCache``) rides in the carry, and block l reads and writes
+        its layer l in place. Returns (x, max_abs_logit [L, H] or None, the updated cache or
+        None); ``model.remat`` checkpoints each block of a pass without a cache."""
         graphdef, stacked = stack_blocks(self.blocks)
 
-        def body(x_BxTxM, state):
-            x_BxTxM, stats_H, _ = nnx.merge(graphdef, state)(
+        def body(carry, xs):
+            x_BxTxM, cache = carry
+            state, layer = xs
+            x_BxTxM, stats_H, cache = nnx.merge(graphdef, state)(
                 x_BxTxM, positions=positions, segment_ids=segment_ids,
-                return_logit_stats=return_stats)
-            return constrain_batch(x_BxTxM), stats_H
+                return_logit_stats=return_stats, cache=cache, step=step, layer=layer)
+            return (constrain_batch(x_BxTxM), cache), stats_H
 
         policy = REMAT_POLICIES[self.cfg.remat]
-        if policy is not None:  # the backward pass recomputes what the policy drops
+        if policy is not None and cache is None:  # the backward recomputes what it drops
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        return jax.lax.scan(body, x_BxTxM, stacked, unroll=True)
+        layers = jnp.arange(len(self.blocks), dtype=jnp.int32)
+        (x_BxTxM, cache), stats_LxH = jax.lax.scan(body, (x_BxTxM, cache), (stacked, layers),
+                                                   unroll=True)
+        return x_BxTxM, stats_LxH, cache
 
     # -- decoding with a KV cache (ls_jax/inference/generate.py) ---------------------------------------
 
     def init_cache(self, batch_size: int, max_len: int, dtype=jnp.bfloat16):
-        """An empty ``KVCache`` for ``batch_size`` rows of up to ``max_len`` positions."""
-        return init_cache(tuple(block.attn.cache_layout for block in self.blocks), batch_size,
+        """An empty ``KVCache`` for ``batch_size`` rows of up to ``max_len`` positions (the
+        blocks share one layout: one config, scanned)."""
+        return init_cache(self.blocks[0].attn.cache_layout, len(self.blocks), batch_size,
                           max_len, self.cfg.head_dim, dtype)
 
     def decode(self, tokens_BxC: jax.Array, cache, *, positions_BxC: jax.Array,
@@ -235,17 +245,14 @@ class Transformer(nnx.Module):
         # padding may sit past the learned position table: clamp (its rows are never read)
         x_BxCxM = self._embed(tokens_BxC, jnp.minimum(positions_BxC, self.cfg.max_seq_len - 1))
         step = CacheStep(cache.lengths_B, new_lengths_B, fresh, decode_implementation)
-        layers = []
-        for block, layer_cache in zip(self.blocks, cache.layers):
-            x_BxCxM, _, layer_cache = block(x_BxCxM, positions=positions_BxC, cache=layer_cache,
-                                            step=step)
-            layers.append(layer_cache)
+        x_BxCxM, _, cache = self._scan_blocks(x_BxCxM, positions=positions_BxC, cache=cache,
+                                              step=step)
         if logits_index_B is not None:
             x_BxCxM = jnp.take_along_axis(x_BxCxM, logits_index_B[:, None, None], axis=1)
         logits = self._logits(x_BxCxM)
         if logits_index_B is not None:
             logits = logits[:, 0]
-        return logits, KVCache(tuple(layers), new_lengths_B.astype(jnp.int32))
+        return logits, cache._replace(lengths_B=new_lengths_B.astype(jnp.int32))
 
 
 def count_params(model: nnx.Module) -> int:

@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ls_jax.layers.attention import LSAttention, check_positions, partitioned
@@ -214,7 +215,9 @@ class Transformer(nnx.Module):
         policy = REMAT_POLICIES[self.cfg.remat]
         if policy is not None and cache is None:  # the backward recomputes what it drops
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-        layers = jnp.arange(len(self.blocks), dtype=jnp.int32)
+        # the layer indices as constants: each unrolled block then reads and writes a static
+        # slice of the cache
+        layers = np.arange(len(self.blocks), dtype=np.int32)
         (x_BxTxM, cache), stats_LxH = jax.lax.scan(body, (x_BxTxM, cache), (stacked, layers),
                                                    unroll=True)
         return x_BxTxM, stats_LxH, cache

@@ -284,7 +284,8 @@ def test_a_fresh_prefill_chunk_is_partitioned_like_training(monkeypatch):
 @pytest.mark.parametrize("n_global_heads", [1, 4], ids=["ls", "mhsa"])
 def test_decode_step_writes_every_layer_in_place(n_global_heads):
     """A decode step runs the blocks' scan unrolled (no loop) and each layer's write lands in
-    the donated cache arrays [L, ...]: no copy of a cache array in the compiled step."""
+    the donated cache arrays [L, ...]: no copy of a cache array in the compiled step, and each
+    block reads a static slice of them (its layer index a constant)."""
     import re
     model = tiny_model(n_layer=3, n_global_heads=n_global_heads)
     graphdef, state = nnx.split(model)
@@ -297,6 +298,11 @@ def test_decode_step_writes_every_layer_in_place(n_global_heads):
               if re.search(r"= bf16\[([\d,]+)\]\S* copy\(", line)
               and re.search(r"= bf16\[([\d,]+)\]", line).group(1) in shapes]
     assert copies == []
+    layer_shapes = {",".join(map(str, (1,) + x.shape[1:])) for x in cache.arrays() if x.size}
+    dynamic = [line for line in text.splitlines()
+               if re.search(r"= bf16\[([\d,]+)\]\S* dynamic-slice\(", line)
+               and re.search(r"= bf16\[([\d,]+)\]", line).group(1) in layer_shapes]
+    assert dynamic == []
 
 
 def test_a_cached_call_names_a_layer_of_the_cache():

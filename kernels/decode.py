@@ -214,21 +214,22 @@ def _check_step(q, k_new, v_new, q_pos, groups, layer) -> None:
     if held != list(range(Hkv)):
         raise ValueError(f"groups: expected every kv head 0..{Hkv - 1} in exactly one group, "
                          f"got kv_heads {[g.kv_heads for g in groups]}")
-    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) and (
-            getattr(layer, "shape", None) != ()
-            or not jnp.issubdtype(getattr(layer, "dtype", None), jnp.integer))):
+    stacked = layer is not None  # the groups hold L layers: k, v [L, B, S, G, D]
+    int_scalar = isinstance(layer, int) or (getattr(layer, "shape", None) == ()
+                                            and jnp.issubdtype(layer.dtype, jnp.integer))
+    if stacked and (isinstance(layer, bool) or not int_scalar):
         raise ValueError(f"layer: expected None or an int scalar, got {layer!r}")
-    lead = () if layer is None else (None,)  # [L, ...]: the caches of L layers
     for i, g in enumerate(groups):
-        rank = 4 + len(lead)
-        S = g.k.shape[-3] if getattr(g.k, "ndim", None) == rank else None
-        L = g.k.shape[0] if S is not None and lead else None
-        want = (L,) * len(lead) + (B, S, len(g.kv_heads), D)
+        S = g.k.shape[-3] if getattr(g.k, "ndim", None) == 4 + stacked else None
+        lead = (g.k.shape[0],) if S is not None and stacked else ()
+        want = lead + (B, S, len(g.kv_heads), D)
         if S is None or g.k.shape != want or g.v.shape != want:
-            layers = "L, " if lead else ""
-            raise ValueError(f"groups[{i}].k/v: expected [{layers}B={B}, S, G={len(g.kv_heads)}, "
-                             f"D={D}], got {getattr(g.k, 'shape', None)} and "
-                             f"{getattr(g.v, 'shape', None)}")
+            raise ValueError(f"groups[{i}].k/v: expected [{'L, ' if stacked else ''}B={B}, S, "
+                             f"G={len(g.kv_heads)}, D={D}], got {getattr(g.k, 'shape', None)} "
+                             f"and {getattr(g.v, 'shape', None)}")
+        if isinstance(layer, int) and not 0 <= layer < lead[0]:
+            raise ValueError(f"layer: expected 0 <= layer < {lead[0]} (the layers of "
+                             f"groups[{i}]), got {layer}")
         if g.k.dtype not in SUPPORTED_DTYPES or g.v.dtype != g.k.dtype:
             raise ValueError(f"groups[{i}].k/v: expected one dtype of float32, bfloat16 or "
                              f"float16, got {g.k.dtype} and {g.v.dtype}")
@@ -241,10 +242,10 @@ def _check_step(q, k_new, v_new, q_pos, groups, layer) -> None:
 
 
 def _step_masked_softmax(q, k_new, v_new, q_pos, groups, window_sizes, scale, *, implementation,
-                         layer=None):
-    """"reference" / "xla" decode step: per group a scatter of the new key and value, then a
-    masked softmax over the group's slots (the replaced slot left out) and the new key; with
-    ``layer``, the groups' arrays are [L, B, S, G, D] and both act on layer ``layer``."""
+                         layer):
+    """"reference" / "xla" decode step on layer ``layer`` of the groups' [L, B, S, G, D]
+    arrays: per group a scatter of the new key and value, then a masked softmax over the
+    group's slots (the replaced slot left out) and the new key."""
     B, Hq, D = q.shape
     r = Hq // k_new.shape[1]
     rows = jnp.arange(B)
@@ -258,16 +259,10 @@ def _step_masked_softmax(q, k_new, v_new, q_pos, groups, window_sizes, scale, *,
         slot_B = jnp.where(real_B & (g.slot_B >= 0) & (g.slot_B < S), g.slot_B, S)
         k_self = take_heads(k_new, g.kv_heads, axis=1).astype(g.k.dtype)  # [B, G, D]
         v_self = take_heads(v_new, g.kv_heads, axis=1).astype(g.k.dtype)
-        if layer is None:
-            k = g.k.at[rows, slot_B].set(k_self, mode="drop")
-            v = g.v.at[rows, slot_B].set(v_self, mode="drop")
-            written.append((k, v))
-        else:
-            k_all = g.k.at[layer, rows, slot_B].set(k_self, mode="drop")
-            v_all = g.v.at[layer, rows, slot_B].set(v_self, mode="drop")
-            written.append((k_all, v_all))
-            k, v = (jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
-                    for x in (k_all, v_all))
+        k_all = g.k.at[layer, rows, slot_B].set(k_self, mode="drop")
+        v_all = g.v.at[layer, rows, slot_B].set(v_self, mode="drop")
+        written.append((k_all, v_all))
+        k, v = (jax.lax.dynamic_index_in_dim(x, layer, keepdims=False) for x in (k_all, v_all))
         q_heads = tuple(h for kv in g.kv_heads for h in range(kv * r, (kv + 1) * r))
         G = len(g.kv_heads)
         q_BxGxRxD = take_heads(q, q_heads, axis=1).reshape(B, G, r, D).astype(dtype)
@@ -334,16 +329,23 @@ def decode_step_attention_validated(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, 
         implementation, one_query=True, head_dim=D, batch=q_BxHxD.shape[0],
         all_global=all(w is None for w in window_sizes))
     q_pos_B = q_pos_B.astype(jnp.int32)
-    groups = tuple(dataclasses.replace(g, k_pos=g.k_pos.astype(jnp.int32),
-                                       slot_B=g.slot_B.astype(jnp.int32)) for g in groups)
+    one_layer = layer is None  # as the only layer of [1, B, S, G, D] arrays (a bitcast)
+    groups = tuple(dataclasses.replace(
+        g, k=g.k[None] if one_layer else g.k, v=g.v[None] if one_layer else g.v,
+        k_pos=g.k_pos.astype(jnp.int32), slot_B=g.slot_B.astype(jnp.int32)) for g in groups)
+    layer = jnp.asarray(0 if one_layer else layer, jnp.int32)
     if impl == "pallas_gpu":
         from ls_jax.kernels.pallas_gpu.decode import pallas_gpu_decode_step
 
-        return pallas_gpu_decode_step(
+        out, written = pallas_gpu_decode_step(
             q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B,
             tuple((g.k, g.v, g.k_pos, g.slot_B) for g in groups),
             kv_heads=tuple(g.kv_heads for g in groups), window_sizes=window_sizes,
-            scale=scale, layer=None if layer is None else jnp.asarray(layer, jnp.int32),
-            interpret=interpret)
-    return _step_masked_softmax(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, groups,
-                                window_sizes, scale, implementation=impl, layer=layer)
+            scale=scale, layer=layer, interpret=interpret)
+    else:
+        out, written = _step_masked_softmax(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, groups,
+                                            window_sizes, scale, implementation=impl,
+                                            layer=layer)
+    if one_layer:
+        written = tuple((k[0], v[0]) for k, v in written)
+    return out, written

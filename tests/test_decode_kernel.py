@@ -150,10 +150,12 @@ def test_decode_step_matches_the_loop(impl, block_s):
     if impl == "pallas_gpu":
         from ls_jax.kernels.pallas_gpu.decode import pallas_gpu_decode_step
 
-        out, kv = pallas_gpu_decode_step(
-            q, k_new, v_new, q_pos, tuple((g.k, g.v, g.k_pos, g.slot_B) for g in groups),
+        out, kv = pallas_gpu_decode_step(  # the caches as the one layer of [1, ...] arrays
+            q, k_new, v_new, q_pos,
+            tuple((g.k[None], g.v[None], g.k_pos, g.slot_B) for g in groups),
             kv_heads=tuple(g.kv_heads for g in groups), window_sizes=STEP_WINDOWS, scale=0.25,
-            interpret=True, block_s=block_s)
+            layer=jnp.int32(0), interpret=True, block_s=block_s)
+        kv = tuple((k[0], v[0]) for k, v in kv)
     else:
         out, kv = step(q, k_new, v_new, q_pos, groups, STEP_WINDOWS, impl)
     np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
@@ -233,8 +235,8 @@ def test_decode_warps_bound_the_registers_per_thread(D):
     assert BLOCK_S * D / (32 * warps) <= 128  # tile elements per thread
 
 
-@pytest.mark.parametrize("D, S_global, layers", [(32, 37, None),  # one block of 64 (the clamp)
-                                                 (64, 300, None),  # three blocks of 128
+@pytest.mark.parametrize("D, S_global, layers", [(32, 37, 1),  # one block of 64 (the clamp)
+                                                 (64, 300, 1),  # three blocks of 128
                                                  (64, 300, 4)])  # one layer of a model's 4
 def test_pallas_decode_step_lowers_to_triton_for_an_h100(D, S_global, layers):
     """The kernel's Triton lowering (jaxpr -> Triton IR, run by JAX in Python) for an abstract
@@ -243,15 +245,15 @@ def test_pallas_decode_step_lowers_to_triton_for_an_h100(D, S_global, layers):
 
     q, k_new, v_new, q_pos, groups = step_case(S_global=S_global, D=D)
     args = [x.astype(jnp.bfloat16) for x in (q, k_new, v_new)]
-    lead = (lambda x: x) if layers is None else (lambda x: jnp.stack([x] * layers))
-    flat = tuple((lead(g.k.astype(jnp.bfloat16)), lead(g.v.astype(jnp.bfloat16)), g.k_pos,
-                  g.slot_B) for g in groups)
+    flat = tuple((jnp.stack([g.k.astype(jnp.bfloat16)] * layers),
+                  jnp.stack([g.v.astype(jnp.bfloat16)] * layers), g.k_pos, g.slot_B)
+                 for g in groups)
 
     def step(q, k_new, v_new, q_pos, flat):
         return pallas_gpu_decode_step(q, k_new, v_new, q_pos, flat,
                                       kv_heads=tuple(g.kv_heads for g in groups),
                                       window_sizes=STEP_WINDOWS, scale=0.2,
-                                      layer=None if layers is None else jnp.int32(2))
+                                      layer=jnp.int32(layers - 1))
 
     h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
                                        platform="cuda")
@@ -312,6 +314,18 @@ def test_bad_input():
     with pytest.raises(ValueError, match="implementation: expected None or one of"):
         decode_step_attention(q, k_new, v_new, q_pos, (g0, g1), STEP_WINDOWS,
                               implementation="cudnn")
+    stacked = tuple(CacheGroup(g.k[None], g.v[None], g.k_pos, g.slot_B, g.kv_heads)
+                    for g in (g0, g1))
+    with pytest.raises(ValueError, match=r"layer: expected None or an int scalar, got 0.5"):
+        decode_step_attention(q, k_new, v_new, q_pos, stacked, STEP_WINDOWS, layer=0.5)
+    with pytest.raises(ValueError, match=r"layer: expected None or an int scalar, got Array"):
+        decode_step_attention(q, k_new, v_new, q_pos, stacked, STEP_WINDOWS,
+                              layer=jnp.zeros((2,), jnp.int32))
+    with pytest.raises(ValueError, match=r"layer: expected 0 <= layer < 1 \(the layers of "
+                                         r"groups\[0\]\), got 1"):
+        decode_step_attention(q, k_new, v_new, q_pos, stacked, STEP_WINDOWS, layer=1)
+    with pytest.raises(ValueError, match=r"groups\[0\].k/v: expected \[L, B=3, S, G=2, D=16\]"):
+        decode_step_attention(q, k_new, v_new, q_pos, (g0, g1), STEP_WINDOWS, layer=0)
 
 
 @pytest.mark.gpu

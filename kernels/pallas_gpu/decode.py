@@ -4,11 +4,12 @@ groups and attended with every query head in one launch.
 ``kernels.decode.decode_step_attention`` for GPUs. Flash-decoding: the grid is (row,
 program), a program being one (query head, split) pair of a static table; each program streams
 its share of its kv head's cache group in blocks of ``block_s`` slots (masked loads, so no
-padding or copy of the cache; of one layer where the caches hold every layer's), keeps an online softmax in float32 and writes a partial output
-with its running max and sum; a few XLA ops merge the splits. Each group has its own split
-count (``_plan`` of its slots and heads), so a batch-1 step splits a global head's full
-history over enough programs to fill the GPU while a local head's ring gets one program per
-block it has, and no program has an empty share. Split 0 of each head also counts the
+padding or copy of the cache; the caches hold every layer's, the step reads one), keeps an
+online softmax in float32 and writes a partial output with its running max and sum; a few XLA
+ops merge the splits. Each group has its own split count (``_plan`` of its slots and heads),
+so a batch-1 step splits a global head's full history over enough programs to fill the GPU
+while a local head's ring gets one program per block it has, and no program has an empty
+share. Split 0 of each head also counts the
 new key (visible at offset 0), and split 0 of the first query head of each kv head writes the
 new key and value into the group's slot: the cache arrays are aliased to the outputs, so the
 write happens in place, and no program reads that slot (it is masked out), so the write races
@@ -143,12 +144,11 @@ def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split:
 @functools.partial(jax.jit, static_argnames=("kv_heads", "window_sizes", "scale", "interpret",
                                              "block_s"))
 def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_sizes, scale,
-                           layer=None, interpret=False, block_s: int = BLOCK_S):
+                           layer, interpret=False, block_s: int = BLOCK_S):
     """``kernels.decode.decode_step_attention`` (validated inputs): q [B, Hq, D], k/v_new
-    [B, Hkv, D], q_pos [B], groups ((k, v [B, S, G, D], k_pos [B, S], slot [B]), ...) with
-    kv_heads ((kv heads of each group), ...); with ``layer`` (an int32 scalar) every group's
-    k and v are [L, B, S, G, D] and the step reads and writes their layer ``layer`` in place.
-    Returns (out [B, Hq, D], ((k, v), ...)), k and v as given."""
+    [B, Hkv, D], q_pos [B], groups ((k, v [L, B, S, G, D], k_pos [B, S], slot [B]), ...) with
+    kv_heads ((kv heads of each group), ...); the step reads and writes layer ``layer`` (an
+    int32 scalar) of every group's k and v, in place. Returns (out [B, Hq, D], ((k, v), ...))."""
     B, Hq, D = q.shape
     if D & (D - 1):
         raise ValueError(f"q: the pallas_gpu decode kernel needs a power-of-two head_dim, got {D}")
@@ -158,10 +158,6 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
     where = {kv: (i, j) for i, heads in enumerate(kv_heads) for j, kv in enumerate(heads)}
     grp_H = np.array([where[h // group][0] for h in range(Hq)], np.int32)
     head_H = np.array([where[h // group][1] for h in range(Hq)], np.int32)
-    stacked = layer is not None
-    if not stacked:  # one layer: a leading axis of 1 (a bitcast; the write stays in place)
-        groups = tuple((k[None], v[None], kp, sl) for k, v, kp, sl in groups)
-        layer = 0
     slots = tuple(int(k.shape[2]) for k, _, _, _ in groups)
     block_s = min(block_s, max(16, 1 << (max(slots) - 1).bit_length()))
     table, plans = programs(B, Hq, grp_H.tolist(), slots, block_s)
@@ -203,6 +199,4 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
     w = jnp.where(l > 0, jnp.exp(m - m_max), 0.0)
     denom = jnp.sum(l * w, axis=1)
     out = jnp.sum(acc * w[..., None], axis=1) / jnp.where(denom > 0, denom, 1.0)[..., None]
-    if not stacked:
-        caches = [c[0] for c in caches]
     return out.astype(q.dtype), tuple(zip(caches[0::2], caches[1::2]))

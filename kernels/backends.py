@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-IMPLEMENTATIONS = ("reference", "cudnn", "pallas_gpu", "pallas_tpu", "split")
+from ls_jax.kernels.heads import head_span, split_heads
 
-from ls_jax.kernels.heads import head_span
+IMPLEMENTATIONS = ("reference", "cudnn", "pallas_gpu", "pallas_tpu", "split")
 
 __all__ = ["IMPLEMENTATIONS", "ResidualPair", "get_backend", "launch_lines", "residual_pair"]
 
@@ -77,7 +77,6 @@ def launch_lines(implementation: str, *, batch: int, seq_len: int, head_dim: int
                  gpu, interpret=False) -> tuple[str, ...]:
     """What ``implementation`` launches for one call (one shard) of this case, a line each.
     ``gpu``: the ``pallas_gpu.heuristics.Gpu`` the GPU kernels plan for."""
-    from ls_jax.kernels.heads import split_heads
     case = dict(batch=batch, seq_len=seq_len, head_dim=head_dim, num_kv_heads=num_kv_heads,
                 dtype=dtype, has_segments=has_segments, gpu=gpu, interpret=interpret)
     if implementation == "reference":

@@ -216,6 +216,34 @@ def test_decode_programs_each_read_their_own_group(B, n_local, P):
     assert global_programs >= min(-(-S // block_s) * B, TARGET_PROGRAMS)
 
 
+@pytest.mark.parametrize("splits_H", [(3, 1, 1), (1, 1, 1), (5, 2, 5)])
+def test_decode_merge_reads_only_the_written_splits(splits_H):
+    """The merge launch equals the softmax-weighted sum of each head's written splits; the
+    splits a head did not write hold NaN here (their memory is undefined) and change nothing;
+    a row whose splits all saw nothing (l = 0) gets 0."""
+    from ls_jax.kernels.pallas_gpu.decode import merge_splits
+
+    rng = np.random.default_rng(3)
+    B, H, most, D = 2, 3, max(splits_H), 16
+    acc = rng.standard_normal((B, H, most, D)).astype(np.float32)
+    m = rng.standard_normal((B, H, most)).astype(np.float32)
+    l = rng.uniform(0.5, 2.0, (B, H, most)).astype(np.float32)
+    l[1] = 0.0  # row 1 saw no key
+    written = np.arange(most)[None, None, :] < np.array(splits_H)[None, :, None]
+    want = np.zeros((B, H, D), np.float64)
+    for b in range(B):
+        for h in range(H):
+            n = splits_H[h]
+            w = np.exp(m[b, h, :n] - m[b, h, :n].max()) * (l[b, h, :n] > 0)
+            if (l[b, h, :n] * w).sum() > 0:
+                want[b, h] = (acc[b, h, :n] * w[:, None]).sum(0) / (l[b, h, :n] * w).sum()
+    poison = lambda x, mask: np.where(mask, x, np.nan).astype(np.float32)
+    got = merge_splits(jnp.asarray(poison(acc, written[..., None])),
+                       jnp.asarray(poison(m, written)), jnp.asarray(poison(l, written)),
+                       np.array(splits_H), jnp.float32, interpret=True)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_step_bf16_cache_close_to_float32():
     q, k_new, v_new, q_pos, groups = step_case()
     ref, _ = step(q, k_new, v_new, q_pos, groups, STEP_WINDOWS, "reference")
@@ -264,8 +292,9 @@ def test_pallas_decode_step_lowers_to_triton_for_an_h100(D, S_global, layers):
             disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
         )(*args, q_pos, flat)
     text = exported.mlir_module()
-    assert text.count("__gpu$xla.gpu.triton") == 1  # one launch for both groups
-    assert "ls_decode_step" in text
+    # one launch attends over both groups, one merges the splits
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert "ls_decode_step" in text and "ls_decode_merge" in text
 
 
 MIN = ALL_GLOBAL_XLA_MIN_BATCH

@@ -1,15 +1,17 @@
 """Pallas GPU (Triton lowering) decode step: one new token per row, written into its cache
-groups and attended with every query head in one launch.
+groups and attended with every query head in two launches (attend, then merge).
 
 ``kernels.decode.decode_step_attention`` for GPUs. Flash-decoding: the grid is (row,
 program), a program being one (query head, split) pair of a static table; each program streams
 its share of its kv head's cache group in blocks of ``block_s`` slots (masked loads, so no
 padding or copy of the cache; the caches hold every layer's, the step reads one), keeps an
-online softmax in float32 and writes a partial output with its running max and sum; a few XLA
-ops merge the splits. Each group has its own split count (``_plan`` of its slots and heads),
-so a batch-1 step splits a global head's full history over enough programs to fill the GPU
-while a local head's ring gets one program per block it has, and no program has an empty
-share. Split 0 of each head also counts the
+online softmax in float32 and writes a partial output with its running max and sum. A second
+launch, one program per (row, query head), merges that head's splits into its output: a
+step is a chain of small launches, so the merge is one launch rather than the several XLA
+fusions its reductions would make. Each group has its own split count (``_plan`` of its slots
+and heads), so a batch-1 step splits a global head's full history over enough programs to fill
+the GPU while a local head's ring gets one program per block it has, and no program has an
+empty share. Split 0 of each head also counts the
 new key (visible at offset 0), and split 0 of the first query head of each kv head writes the
 new key and value into the group's slot: the cache arrays are aliased to the outputs, so the
 write happens in place, and no program reads that slot (it is masked out), so the write races
@@ -132,13 +134,42 @@ def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split:
         init = (jnp.where(own, v_new_D.astype(jnp.float32), 0.0),
                 jnp.where(own, s_new, _NEG), own.astype(jnp.float32))
         acc_D, m, l = jax.lax.fori_loop(0, per_split, body, init)
-        plgpu.store(acc_ref.at[b, sp, h, pl.ds(0, D)], acc_D)
-        plgpu.store(m_ref.at[b, sp, pl.ds(h, 1)], jnp.full((1,), m, jnp.float32))
-        plgpu.store(l_ref.at[b, sp, pl.ds(h, 1)], jnp.full((1,), l, jnp.float32))
+        plgpu.store(acc_ref.at[b, h, sp, pl.ds(0, D)], acc_D)
+        plgpu.store(m_ref.at[b, h, pl.ds(sp, 1)], jnp.full((1,), m, jnp.float32))
+        plgpu.store(l_ref.at[b, h, pl.ds(sp, 1)], jnp.full((1,), l, jnp.float32))
 
     grp = grp_ref[h]
     for i in range(n_groups):
         pl.when(grp == i)(functools.partial(attend, i))
+
+
+def _merge_kernel(splits_ref, acc_ref, m_ref, l_ref, out_ref, *, block_splits: int):
+    """Program (b, h): head h's splits (``splits_ref[h]`` of them) merged into out[b, h]."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    D = acc_ref.shape[-1]
+    launched = jnp.arange(block_splits) < splits_ref[h]  # the others were never written
+    m = plgpu.load(m_ref.at[b, h, pl.ds(0, block_splits)], mask=launched, other=_NEG)
+    l = plgpu.load(l_ref.at[b, h, pl.ds(0, block_splits)], mask=launched, other=0.0)
+    acc = plgpu.load(acc_ref.at[b, h, pl.ds(0, block_splits), pl.ds(0, D)],
+                     mask=jnp.broadcast_to(launched[:, None], (block_splits, D)), other=0.0)
+    w = jnp.where(l > 0, jnp.exp(m - jnp.max(m)), 0.0)  # a split that saw nothing weighs 0
+    denom = jnp.sum(l * w)
+    out = jnp.sum(acc * w[:, None], axis=0) / jnp.where(denom > 0, denom, 1.0)
+    plgpu.store(out_ref.at[b, h, pl.ds(0, D)], out.astype(out_ref.dtype))
+
+
+def merge_splits(acc, m, l, splits_H: np.ndarray, dtype, *, interpret: bool = False):
+    """out [B, H, D] (``dtype``) of the attend launch's partials, acc [B, H, splits, D] and
+    m, l [B, H, splits] float32, of which head h wrote the first ``splits_H[h]`` splits."""
+    B, H, most, D = acc.shape
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, block_splits=max(2, 1 << (most - 1).bit_length())),
+        grid=(B, H),
+        out_shape=jax.ShapeDtypeStruct((B, H, D), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="ls_decode_merge",
+    )(jnp.asarray(np.asarray(splits_H, np.int32)), acc, m, l)
 
 
 @functools.partial(jax.jit, static_argnames=("kv_heads", "window_sizes", "scale", "interpret",
@@ -168,9 +199,9 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
                                scale=scale)
     flat = [x for g in groups for x in g]
     most = max(splits)
-    out_shape = [jax.ShapeDtypeStruct((B, most, Hq, D), jnp.float32),
-                 jax.ShapeDtypeStruct((B, most, Hq), jnp.float32),
-                 jax.ShapeDtypeStruct((B, most, Hq), jnp.float32)]
+    out_shape = [jax.ShapeDtypeStruct((B, Hq, most, D), jnp.float32),
+                 jax.ShapeDtypeStruct((B, Hq, most), jnp.float32),
+                 jax.ShapeDtypeStruct((B, Hq, most), jnp.float32)]
     aliases = {}
     for i, (k, v, _, _) in enumerate(groups):
         aliases[_FIXED_INPUTS + 4 * i] = len(out_shape)
@@ -189,14 +220,5 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
       jnp.asarray(window_array(window_sizes)), jnp.asarray(grp_H),
       jnp.asarray(head_H), jnp.asarray(np.array([h for h, _ in table], np.int32)),
       jnp.asarray(np.array([sp for _, sp in table], np.int32)), *flat)
-    # split sp of head h exists iff its group has more than sp splits; the others are never
-    # written (their memory is undefined), so they are selected out, not multiplied by 0
-    launched = np.arange(most)[:, None] < np.array(splits)[grp_H][None, :]  # [splits, Hq]
-    m = jnp.where(launched, m, _NEG)
-    l = jnp.where(launched, l, 0.0)
-    acc = jnp.where(launched[..., None], acc, 0.0)
-    m_max = jnp.max(m, axis=1, keepdims=True)
-    w = jnp.where(l > 0, jnp.exp(m - m_max), 0.0)
-    denom = jnp.sum(l * w, axis=1)
-    out = jnp.sum(acc * w[..., None], axis=1) / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out.astype(q.dtype), tuple(zip(caches[0::2], caches[1::2]))
+    out = merge_splits(acc, m, l, np.array(splits)[grp_H], q.dtype, interpret=interpret)
+    return out, tuple(zip(caches[0::2], caches[1::2]))

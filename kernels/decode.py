@@ -17,8 +17,8 @@ Two entry points:
 - ``decode_step_attention``: one new token per row. It writes the token's key and value
   into every cache group (a group: the slots of some kv heads, e.g. the global heads' full
   history and the local heads' ring) at the slot the caller names, and attends over every
-  group at once, the new key included. On a GPU this is one kernel launch per layer
-  (``kernels/pallas_gpu/decode.py``). A model's groups may hold every layer's cache
+  group at once, the new key included. On a GPU this is one attend launch and one merge
+  launch per layer (``kernels/pallas_gpu/decode.py``). A model's groups may hold every layer's cache
   ([L, B, S, G, D]): the step then reads and writes the layer it is given, in place.
 - ``cached_attention``: T queries per row over one cache (a prefill chunk after the first).
 
@@ -63,7 +63,7 @@ def choose_decode_implementation(implementation: str | None, *, one_query: bool,
 
     | case | backend | why |
     |---|---|---|
-    | a decode step (one query per row) on CUDA, head_dim a power of two, except the next row | "pallas_gpu" | one launch per layer writes the new key/value into every cache group and attends over all heads; "xla" needs per group a scatter per cache array and a dot, a masked softmax and a second dot, and a step of a small model is bound by its launches |
+    | a decode step (one query per row) on CUDA, head_dim a power of two, except the next row | "pallas_gpu" | one attend launch per layer writes the new key/value into every cache group and attends over all heads, one more merges its splits; "xla" needs per group a scatter per cache array and a dot, a masked softmax and a second dot, and a step of a small model is bound by its launches |
     | a decode step with every head global, from ``ALL_GLOBAL_XLA_MIN_BATCH`` rows, head_dim at most ``ALL_GLOBAL_XLA_MAX_HEAD_DIM`` | "xla" | the step is bound by reading every row's whole cache, which XLA's fused dots stream faster for narrow heads |
     | a prefill chunk (several queries per row), whatever was named | "xla" or "reference" | the Pallas kernel holds one query per program; a chunk is a matrix product that XLA's dots do well |
     | anything else | "xla" | runs on every platform |

@@ -59,11 +59,12 @@ def _plan(B: int, heads: int, S: int, block_s: int, target_programs: int = TARGE
 
 
 def programs(B: int, Hq: int, group_of_head: Sequence[int], slots: Sequence[int],
-             block_s: int) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+             block_s: int, target_programs: int = TARGET_PROGRAMS
+             ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
     """(the (query head, split) of each program of a row, the (splits, blocks per split) of
     each group): group i (``slots[i]`` slots, the query heads h with ``group_of_head[h] == i``)
     is split by ``_plan``, so every program's share holds at least one slot of its group."""
-    plans = tuple(_plan(B, sum(1 for g in group_of_head if g == i), S, block_s)
+    plans = tuple(_plan(B, sum(1 for g in group_of_head if g == i), S, block_s, target_programs)
                   for i, S in enumerate(slots))
     table = tuple((h, sp) for h in range(Hq) for sp in range(plans[group_of_head[h]][0]))
     return table, plans
@@ -174,13 +175,15 @@ def merge_splits(acc, m, l, splits_H: np.ndarray, dtype, *, interpret: bool = Fa
 
 
 @functools.partial(jax.jit, static_argnames=("kv_heads", "window_sizes", "scale", "interpret",
-                                             "block_s"))
+                                             "block_s", "target_programs"))
 def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_sizes, scale,
-                           layer, interpret=False, block_s: int = BLOCK_S):
+                           layer, interpret=False, block_s: int = BLOCK_S,
+                           target_programs: int = TARGET_PROGRAMS):
     """``kernels.decode.decode_step_attention`` (validated inputs): q [B, Hq, D], k/v_new
     [B, Hkv, D], q_pos [B], groups ((k, v [L, B, S, G, D], k_pos [B, S], slot [B]), ...) with
     kv_heads ((kv heads of each group), ...); the step reads and writes layer ``layer`` (an
-    int32 scalar) of every group's k and v, in place. Returns (out [B, Hq, D], ((k, v), ...))."""
+    int32 scalar) of every group's k and v, in place. Returns (out [B, Hq, D], ((k, v), ...)).
+    ``block_s`` and ``target_programs``: the defaults unless a benchmark compares others."""
     B, Hq, D = q.shape
     if D & (D - 1):
         raise ValueError(f"q: the pallas_gpu decode kernel needs a power-of-two head_dim, got {D}")
@@ -192,7 +195,7 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
     head_H = np.array([where[h // group][1] for h in range(Hq)], np.int32)
     slots = tuple(int(k.shape[2]) for k, _, _, _ in groups)
     block_s = min(block_s, max(16, 1 << (max(slots) - 1).bit_length()))
-    table, plans = programs(B, Hq, grp_H.tolist(), slots, block_s)
+    table, plans = programs(B, Hq, grp_H.tolist(), slots, block_s, target_programs)
     splits, per_split = zip(*plans)
     n = len(groups)
     kernel = functools.partial(_step_kernel, n_groups=n, slots=slots,

@@ -263,6 +263,16 @@ def test_decode_warps_bound_the_registers_per_thread(D):
     assert BLOCK_S * D / (32 * warps) <= 128  # tile elements per thread
 
 
+@pytest.mark.parametrize("block_splits", [2, 16, 128, 256])
+@pytest.mark.parametrize("D", [16, 32, 64, 128, 256])
+def test_merge_warps_bound_the_registers_per_thread(block_splits, D):
+    from ls_jax.kernels.pallas_gpu.decode import merge_warps
+
+    warps = merge_warps(block_splits, D)
+    assert warps in (1, 2, 4, 8)
+    assert block_splits * D / (32 * warps) <= 128 or warps == 8  # partials per thread
+
+
 @pytest.mark.parametrize("D, S_global, layers", [(32, 37, 1),  # one block of 64 (the clamp)
                                                  (64, 300, 1),  # three blocks of 128
                                                  (64, 300, 4)])  # one layer of a model's 4

@@ -43,6 +43,12 @@ TARGET_PROGRAMS = 1056
 BLOCK_S = 128
 
 
+def merge_warps(block_splits: int, D: int) -> int:
+    """Warps of a merge program: each thread holds at most 128 elements of its [block_splits,
+    D] float32 partials (powers of two, so the quotient is one), 1 to 8 warps."""
+    return min(8, max(1, block_splits * D // (32 * 128)))
+
+
 def num_warps(D: int) -> int:
     """A warp per 32 columns of the head, at least two: each thread then holds at most 128
     elements of a [BLOCK_S, D] tile, which stay in registers."""
@@ -164,11 +170,13 @@ def merge_splits(acc, m, l, splits_H: np.ndarray, dtype, *, interpret: bool = Fa
     """out [B, H, D] (``dtype``) of the attend launch's partials, acc [B, H, splits, D] and
     m, l [B, H, splits] float32, of which head h wrote the first ``splits_H[h]`` splits."""
     B, H, most, D = acc.shape
+    block_splits = max(2, 1 << (most - 1).bit_length())
     return pl.pallas_call(
-        functools.partial(_merge_kernel, block_splits=max(2, 1 << (most - 1).bit_length())),
+        functools.partial(_merge_kernel, block_splits=block_splits),
         grid=(B, H),
         out_shape=jax.ShapeDtypeStruct((B, H, D), dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=merge_warps(block_splits, D),
+                                             num_stages=1),
         interpret=interpret,
         name="ls_decode_merge",
     )(jnp.asarray(np.asarray(splits_H, np.int32)), acc, m, l)

@@ -61,13 +61,11 @@ def make_case(shape: str, variant: str, B: int, context: int, window: int):
     return L, q, groups, kv_heads, windows
 
 
-def launch_times(run, steps: int) -> dict[str, float]:
-    """Median device microseconds of each decode launch over ``steps`` calls of ``run``."""
+def launch_times(run) -> dict[str, float]:
+    """Median device microseconds of each decode launch that ``run()`` makes."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
-            for i in range(steps):
-                run(i)
-            run(None)
+            run()
         data = ProfileData.from_file(glob.glob(d + "/**/*.xplane.pb", recursive=True)[0])
     times = collections.defaultdict(list)
     for plane in data.planes:
@@ -88,24 +86,21 @@ def measure(shape, variant, B, target, args) -> dict:
         target_programs=target), donate_argnums=(1,))
     box = {"g": jax.tree.map(jnp.copy, groups), "out": q}
 
-    def run(i):
-        if i is None:  # the end of a timed stretch
-            return jax.block_until_ready(box["out"])
-        box["out"], kv = step(q, box["g"], jnp.int32(i % L))
-        box["g"] = tuple((k, v, g[2], g[3]) for (k, v), g in zip(kv, box["g"]))
+    def run(steps: int):
+        """``steps`` decode steps, layer after layer, until the last has finished."""
+        for i in range(steps):
+            box["out"], kv = step(q, box["g"], jnp.int32(i % L))
+            box["g"] = tuple((k, v, g[2], g[3]) for (k, v), g in zip(kv, box["g"]))
+        jax.block_until_ready(box["out"])
 
-    for i in range(args.warmup):
-        run(i)
-    run(None)
+    run(args.warmup)
     row = {"shape": shape, "variant": variant, "batch": B, "programs": target,
            "default": target == TARGET_PROGRAMS}
     if jax.devices()[0].platform == "gpu":
-        row.update({k: round(v, 2) for k, v in launch_times(run, args.steps).items()})
+        row.update({k: round(v, 2) for k, v in launch_times(lambda: run(args.steps)).items()})
     else:  # no device trace: the step's wall time
         t0 = time.perf_counter()
-        for i in range(args.steps):
-            run(i)
-        run(None)
+        run(args.steps)
         row["step_wall"] = round((time.perf_counter() - t0) / args.steps * 1e6, 1)
     return row
 

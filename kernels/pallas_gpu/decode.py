@@ -45,7 +45,7 @@ BLOCK_S = 128
 
 def merge_warps(block_splits: int, D: int) -> int:
     """Warps of a merge program: each thread holds at most 128 elements of its [block_splits,
-    D] float32 partials (powers of two, so the quotient is one), 1 to 8 warps."""
+    D] float32 partials (both powers of two, so the warps are one too), 1 to 8 warps."""
     return min(8, max(1, block_splits * D // (32 * 128)))
 
 

@@ -60,7 +60,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ls_jax.config import ModelConfig
-from ls_jax.inference.generate import decode_loop_fn, decode_step, prefill_chunk_fn
+from ls_jax.inference.generate import (decode_loop_fn, decode_step, merge_flat,
+                                       prefill_chunk_fn, split_flat)
 from ls_jax.kernels.decode import choose_decode_implementation
 from ls_jax.layers.transformer import Transformer, count_params
 
@@ -122,18 +123,18 @@ def device_peak() -> int | None:
 
 
 def run_prefill(model, B: int, T: int, args) -> dict:
-    graphdef, state = nnx.split(model)
+    structure, arrays = split_flat(model)
     cache = model.init_cache(B, T, dtype=jnp.bfloat16)
-    fn = prefill_chunk_fn(graphdef, fresh=True, decode_implementation=None)
+    fn = prefill_chunk_fn(structure, fresh=True, decode_implementation=None)
     tokens = jax.random.randint(jax.random.key(0), (B, T), 0, model.cfg.vocab_size)
     lengths = jnp.full((B,), T, jnp.int32)
     logits = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
     start = jnp.int32(0)  # on the device once, not copied there in every timed call
-    compiled = fn.lower(state, tokens, cache, start, lengths, logits).compile()
+    compiled = fn.lower(arrays, tokens, cache, start, lengths, logits).compile()
     box = {"cache": cache}
 
     def call():
-        out, box["cache"] = compiled(state, tokens, box["cache"], start, lengths, logits)
+        out, box["cache"] = compiled(arrays, tokens, box["cache"], start, lengths, logits)
         jax.block_until_ready(out)
 
     sec = bench(call, args.warmup, args.reps)
@@ -149,7 +150,7 @@ def decode_room(args) -> int:
 
 
 def run_decode(model, B: int, ctx: int, impl: str, args) -> dict:
-    graphdef, state = nnx.split(model)
+    structure, arrays = split_flat(model)
     max_len = ctx + decode_room(args)
     # a full context: random keys/values (content does not change the work), ctx positions;
     # made from the cache's shapes so that no second, zero-filled cache is ever allocated
@@ -158,36 +159,36 @@ def run_decode(model, B: int, ctx: int, impl: str, args) -> dict:
     arrays = (jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
               for i, x in enumerate(shapes.arrays()))
     cache = type(shapes)(*arrays, lengths_B=jnp.full((B,), ctx, jnp.int32))
-    fn = jax.jit(lambda state, tokens_B, cache: decode_step(
-        nnx.merge(graphdef, state), tokens_B, cache, decode_implementation=impl),
+    fn = jax.jit(lambda arrays, tokens_B, cache: decode_step(
+        merge_flat(structure, arrays), tokens_B, cache, decode_implementation=impl),
         donate_argnums=(2,))
     tokens = jax.random.randint(jax.random.key(2), (B,), 0, model.cfg.vocab_size)
-    compiled = fn.lower(state, tokens, cache).compile()
+    compiled = fn.lower(arrays, tokens, cache).compile()
     box = {"cache": cache}
 
     def call():
         for _ in range(args.steps):
-            logits, box["cache"] = compiled(state, tokens, box["cache"])
+            logits, box["cache"] = compiled(arrays, tokens, box["cache"])
         jax.block_until_ready(logits)
 
     step_sec = bench(call, args.warmup, args.reps) / args.steps
     # generate's loop: --loop-tokens steps in one call, each call from the same ctx tokens
     box["cache"] = box["cache"]._replace(lengths_B=jnp.full((B,), ctx, jnp.int32))
-    loop = decode_loop_fn(graphdef, max_new_tokens=args.loop_tokens, temperature=1.0,
+    loop = decode_loop_fn(structure, max_new_tokens=args.loop_tokens, temperature=1.0,
                           top_k=None, top_p=None, end_id=None, decode_implementation=impl)
     logits = jnp.zeros((B, model.cfg.vocab_size), jnp.float32)
     rng = jax.random.key(3)  # made once: a key made per call would be timed with it
-    loop_compiled = loop.lower(state, logits, box["cache"], rng).compile()
+    loop_compiled = loop.lower(arrays, logits, box["cache"], rng).compile()
 
     def generate():
-        toks, _, cache = loop_compiled(state, logits, box["cache"], rng)
+        toks, _, cache = loop_compiled(arrays, logits, box["cache"], rng)
         jax.block_until_ready(toks)
         # a fresh array: each call donates the cache, lengths included
         box["cache"] = cache._replace(lengths_B=jnp.full((B,), ctx, jnp.int32))
 
     sec = bench(generate, args.warmup, args.reps) / args.loop_tokens
     # what one step must read at least: every cache slot (as allocated) and every weight
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in arrays)
     read = box["cache"].nbytes() + weight_bytes
     default = choose_decode_implementation(
         None, one_query=True, head_dim=model.cfg.head_dim, batch=B,

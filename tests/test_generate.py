@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from ls_jax.config import ModelConfig
-from ls_jax.inference.generate import (decode_step, generate, prefill_chunk_fn,
-                              prefill_compiler_options, sample_logits)
+from ls_jax.inference.generate import (decode_step, generate, merge_flat, prefill_chunk_fn,
+                                       prefill_compiler_options, sample_logits, split_flat)
 from ls_jax.layers.kv_cache import CacheLayout, CacheStep, ring_positions
 from ls_jax.layers.transformer import Transformer
 
@@ -227,6 +227,25 @@ def test_rope_generates_past_the_trained_length():
                                   naive_greedy(model, list(range(1, 10)), 20, width=29))
 
 
+def test_split_flat_round_trips_and_keys_one_compiled_loop_per_model():
+    """The jitted pieces take the state's arrays as a list (flattened without Python); the
+    structure half is equal for every split of one model, so each piece is built once."""
+    from ls_jax.inference import generate as gen
+    model = tiny_model()
+    structure, arrays = split_flat(model)
+    assert isinstance(arrays, list) and all(isinstance(a, jax.Array) for a in arrays)
+    x = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % model.cfg.vocab_size
+    np.testing.assert_array_equal(merge_flat(structure, arrays)(x), model(x))
+    assert split_flat(model)[0] == structure
+    fn = prefill_chunk_fn(structure, fresh=True, decode_implementation=None)
+    assert prefill_chunk_fn(split_flat(model)[0], fresh=True, decode_implementation=None) is fn
+    before = len(gen._FNS)
+    generate(model, [1, 2, 3], max_new_tokens=2)
+    built = len(gen._FNS)
+    generate(model, [4, 5, 6], max_new_tokens=2)
+    assert len(gen._FNS) == built >= before
+
+
 @pytest.mark.gpu
 def test_cached_logits_with_the_pallas_gpu_decode_kernel():
     model = tiny_model(pos_embedding="rope", n_kv_head=2, head_dim=16)
@@ -242,12 +261,12 @@ def test_prefill_writes_q_k_v_as_three_products_not_slices_of_one():
     (slice fusions); the prefill's compiler options keep them three products."""
     import re
     model = tiny_model(d_model=64, n_head=4, head_dim=16)
-    graphdef, state = nnx.split(model)
+    structure, arrays = split_flat(model)
     B, T = 2, 32
     cache = model.init_cache(B, T, dtype=jnp.float32)
-    args = (state, jnp.zeros((B, T), jnp.int32), cache, jnp.int32(0), jnp.full((B,), T, jnp.int32),
+    args = (arrays, jnp.zeros((B, T), jnp.int32), cache, jnp.int32(0), jnp.full((B,), T, jnp.int32),
             jnp.zeros((B, 32), jnp.float32))
-    fn = prefill_chunk_fn(graphdef, fresh=True, decode_implementation=None)
+    fn = prefill_chunk_fn(structure, fresh=True, decode_implementation=None)
     slices = lambda text: len(re.findall(rf"= f32\[(?:{B},{T}|{B * T}),64\]\S* fusion\([^)]*\), "
                                          rf"kind=kLoop, calls=%fused_slice", text))
     # a compile's own options come after the jit's: this one turns the merger back on

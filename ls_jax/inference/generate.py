@@ -78,6 +78,22 @@ def sample_logits(logits_BxV: jax.Array, key: jax.Array, *, temperature: float =
 _FNS: dict[Any, Any] = {}
 
 
+def split_flat(model: nnx.Module) -> tuple[tuple[Any, Any], list[jax.Array]]:
+    """(structure, arrays): the model's graph and its state's tree structure, and the state's
+    arrays as a list, which the jitted pieces below take. A call flattens a list of arrays
+    without entering Python; an ``nnx.State`` it flattens in Python, Variable by Variable, on
+    every call, and a short chunk or a batch-1 loop waits for that on the host."""
+    graphdef, state = nnx.split(model)
+    arrays, treedef = jax.tree.flatten(state)
+    return (graphdef, treedef), arrays
+
+
+def merge_flat(structure, arrays: Sequence[jax.Array]) -> nnx.Module:
+    """The model of ``split_flat``'s (structure, arrays)."""
+    graphdef, treedef = structure
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, arrays))
+
+
 def prefill_compiler_options() -> dict | None:
     """XLA options for a prefill chunk on this platform. On GPU, XLA's dot merger computes a
     chunk's q, k and v projections as one matrix product and then copies each out of it, since
@@ -89,15 +105,15 @@ def prefill_compiler_options() -> dict | None:
     return None
 
 
-def prefill_chunk_fn(graphdef, *, fresh: bool, decode_implementation: str | None):
-    """jit: (state, tokens_BxC, cache, chunk_start, prompt_lengths_B, last_logits_BxV)
-    -> (last_logits_BxV, cache). last_logits takes the logits of each row's last prompt
-    token when this chunk holds it. Call it at top level, not inside another jit: it carries
-    ``prefill_compiler_options``."""
-    key = ("prefill", graphdef, fresh, decode_implementation)
+def prefill_chunk_fn(structure, *, fresh: bool, decode_implementation: str | None):
+    """jit: (arrays, tokens_BxC, cache, chunk_start, prompt_lengths_B, last_logits_BxV)
+    -> (last_logits_BxV, cache), for ``split_flat``'s (structure, arrays). last_logits takes
+    the logits of each row's last prompt token when this chunk holds it. Call it at top level,
+    not inside another jit: it carries ``prefill_compiler_options``."""
+    key = ("prefill", structure, fresh, decode_implementation)
     if key not in _FNS:
-        def fn(state, tokens_BxC, cache, chunk_start, prompt_lengths_B, last_logits_BxV):
-            model = nnx.merge(graphdef, state)
+        def fn(arrays, tokens_BxC, cache, chunk_start, prompt_lengths_B, last_logits_BxV):
+            model = merge_flat(structure, arrays)
             B, C = tokens_BxC.shape
             positions_BxC = jnp.broadcast_to(chunk_start + jnp.arange(C, dtype=jnp.int32), (B, C))
             new_lengths_B = jnp.minimum(prompt_lengths_B, chunk_start + C)
@@ -121,14 +137,15 @@ def decode_step(model, tokens_B, cache, *, decode_implementation: str | None):
                         decode_implementation=decode_implementation)
 
 
-def decode_loop_fn(graphdef, *, max_new_tokens: int, temperature: float, top_k, top_p,
+def decode_loop_fn(structure, *, max_new_tokens: int, temperature: float, top_k, top_p,
                    end_id: int | None, decode_implementation: str | None):
-    """jit: (state, last_logits_BxV, cache, key) -> (tokens_BxN, steps, cache)."""
-    key = ("loop", graphdef, max_new_tokens, temperature, top_k, top_p, end_id,
+    """jit: (arrays, last_logits_BxV, cache, key) -> (tokens_BxN, steps, cache), for
+    ``split_flat``'s (structure, arrays)."""
+    key = ("loop", structure, max_new_tokens, temperature, top_k, top_p, end_id,
            decode_implementation)
     if key not in _FNS:
-        def fn(state, logits_BxV, cache, rng):
-            model = nnx.merge(graphdef, state)
+        def fn(arrays, logits_BxV, cache, rng):
+            model = merge_flat(structure, arrays)
             B = logits_BxV.shape[0]
             fill = -1 if end_id is None else end_id
             tokens_BxN = jnp.full((B, max_new_tokens), fill, jnp.int32)
@@ -236,12 +253,13 @@ def _prefill(model, prompts: list[np.ndarray], cache: KVCache, chunk_size: int,
     tokens_BxT = np.zeros((len(prompts), n_chunks * C), np.int32)
     for b, p in enumerate(prompts):
         tokens_BxT[b, :len(p)] = p
-    graphdef, state = nnx.split(model)
+    structure, arrays = split_flat(model)
     lengths_B = jnp.asarray(lengths)
     logits_BxV = jnp.zeros((len(prompts), model.cfg.vocab_size), jnp.float32)
     for c in range(n_chunks):
-        fn = prefill_chunk_fn(graphdef, fresh=c == 0, decode_implementation=decode_implementation)
-        logits_BxV, cache = fn(state, jnp.asarray(tokens_BxT[:, c * C:(c + 1) * C]), cache,
+        fn = prefill_chunk_fn(structure, fresh=c == 0,
+                              decode_implementation=decode_implementation)
+        logits_BxV, cache = fn(arrays, jnp.asarray(tokens_BxT[:, c * C:(c + 1) * C]), cache,
                                jnp.int32(c * C), lengths_B, logits_BxV)
     return logits_BxV, cache
 
@@ -283,14 +301,14 @@ def generate(model: nnx.Module, prompt_tokens, *, max_new_tokens: int,
     logits_BxV, cache = _prefill(model, prompts, cache, chunk_size, decode_implementation)
     jax.block_until_ready(logits_BxV)
     t1 = time.perf_counter()
-    graphdef, state = nnx.split(model)
-    loop = decode_loop_fn(graphdef, max_new_tokens=max_new_tokens, temperature=float(temperature),
+    structure, arrays = split_flat(model)
+    loop = decode_loop_fn(structure, max_new_tokens=max_new_tokens, temperature=float(temperature),
                           top_k=top_k, top_p=None if top_p is None else float(top_p),
                           end_id=end_id, decode_implementation=decode_implementation)
     rng = jax.random.key(seed)
-    compiled = loop.lower(state, logits_BxV, cache, rng).compile()
+    compiled = loop.lower(arrays, logits_BxV, cache, rng).compile()
     t2 = time.perf_counter()
-    tokens_BxN, steps, _ = compiled(state, logits_BxV, cache, rng)
+    tokens_BxN, steps, _ = compiled(arrays, logits_BxV, cache, rng)
     tokens_BxN = np.asarray(jax.device_get(tokens_BxN))
     t3 = time.perf_counter()
     out = []

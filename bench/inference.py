@@ -156,9 +156,9 @@ def run_decode(model, B: int, ctx: int, impl: str, args) -> dict:
     # made from the cache's shapes so that no second, zero-filled cache is ever allocated
     shapes = jax.eval_shape(lambda: model.init_cache(B, max_len, dtype=jnp.bfloat16))
     key = jax.random.key(1)
-    arrays = (jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
+    filled = (jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
               for i, x in enumerate(shapes.arrays()))
-    cache = type(shapes)(*arrays, lengths_B=jnp.full((B,), ctx, jnp.int32))
+    cache = type(shapes)(*filled, lengths_B=jnp.full((B,), ctx, jnp.int32))
     fn = jax.jit(lambda arrays, tokens_B, cache: decode_step(
         merge_flat(structure, arrays), tokens_B, cache, decode_implementation=impl),
         donate_argnums=(2,))
@@ -267,13 +267,16 @@ def table(results, windows) -> str:
     return "\n".join(lines)
 
 
-# the issue-37 decode targets: LS tokens/s over MHSA's at batch 64 with 8192 cached, per shape
-DECODE_TARGETS = {"paper": 3.0, "wide": 4.0}
+# the decode targets with 8192 cached, by (shape, batch): LS tokens/s over MHSA's best
+# backend's; at batch 1 LS is never slower, at any context
+DECODE_TARGETS = {("paper", 64): 3.5, ("wide", 64): 4.0, ("paper", 1): 1.3, ("wide", 1): 1.0}
+# the prefill targets at T=8192, by batch: how much lower LS's latency is than MHSA's
+PREFILL_TARGETS = {1: 0.0, 8: 0.55}
 
 
 def check_targets(results, windows) -> list[str]:
-    """The issue's targets, per shape run: prefill at T=8192 >= 50% lower latency, decode at
-    batch 64 with 8192 cached >= DECODE_TARGETS x MHSA and at batch 1 never below MHSA (both on
+    """The targets, per shape run: prefill at T=8192 as PREFILL_TARGETS, decode with 8192
+    cached as DECODE_TARGETS and at batch 1 never below MHSA at other contexts (both on
     LS's default path against MHSA's fastest backend for the case), cache bytes
     as the formula."""
     out = []
@@ -289,16 +292,16 @@ def check_targets(results, windows) -> list[str]:
             name = f"{shape} {variant} [{impl}]" if impl else f"{shape} {variant}"
             if base is None:
                 continue
-            if kind == "prefill" and t == 8192:
+            want = PREFILL_TARGETS.get(batch)
+            if kind == "prefill" and t == 8192 and want is not None:
                 red = 1 - r["ms"] / base["ms"]
-                out.append(f"prefill T=8192 B={batch} {name}: latency -{red:.0%} vs MHSA "
-                           f"(target >= 50% at B=8): "
-                           f"{'PASS' if red >= 0.5 else 'MISS' if batch == 8 else '-'}")
+                out.append(f"prefill T=8192 B={batch} {name}: latency {red:.0%} lower than "
+                           f"MHSA's (target >= {want:.0%}): {'PASS' if red >= want else 'MISS'}")
             if kind == "decode" and r.get("default"):
                 top = best.get((shape, batch, t))
                 mhsa = top and top["loop"]
                 x = r["tokens_per_s"] / mhsa["tokens_per_s"] if mhsa else None
-                want = DECODE_TARGETS.get(shape) if batch == 64 and t == 8192 else \
+                want = DECODE_TARGETS.get((shape, batch)) if t == 8192 else \
                     1.0 if batch == 1 else None
                 if x is not None and want is not None:
                     x_step = r["step_tokens_per_s"] / top["step"]["step_tokens_per_s"]
@@ -338,6 +341,8 @@ def decode_table(results, windows, command: str, commit: str) -> dict:
             row[f"ls{p}_impl"] = ls["impl"]
             row[f"ls{p}_x"] = round(ls["tokens_per_s"] / top["loop"]["tokens_per_s"], 2)
         rows.append(row)
+    if not rows:
+        return {}
     columns = [{"header": "shape", "cell": "{shape}"}, {"header": "batch", "cell": "{batch}"},
                {"header": "MHSA's best", "cell": "{mhsa:,} [{mhsa_impl}]"}]
     columns += [{"header": f"LS p={p}",
@@ -358,6 +363,57 @@ def decode_table(results, windows, command: str, commit: str) -> dict:
                  "(bench/inference.py's own table) are bound by Python's dispatch at batch 1, "
                  "so they are not compared here."),
         "columns": columns, "rows": rows}
+
+
+def prefill_table(results, windows, command: str, commit: str) -> dict:
+    """The prefill rows as a docs/performance table: per shape, batch and length, MHSA's
+    latency and each LS window's, with how much lower it is."""
+    rows = []
+    for r in results:
+        if r["variant"] != "MHSA" or r["kind"] != "prefill" or "skipped" in r:
+            continue
+        row = {"shape": r["shape"], "batch": r["batch"], "T": r["T"], "mhsa": round(r["ms"], 3)}
+        for p in windows:
+            ls = next((x for x in results if x["kind"] == "prefill"
+                       and x["variant"] == f"LS p={p}" and "skipped" not in x
+                       and (x["shape"], x["batch"], x["T"]) == (r["shape"], r["batch"], r["T"])),
+                      None)
+            if ls is None:
+                return {}
+            row[f"ls{p}"] = round(ls["ms"], 3)
+            row[f"ls{p}_lower"] = round(100 * (1 - ls["ms"] / r["ms"]))
+        rows.append(row)
+    if not rows:
+        return {}
+    columns = [{"header": "shape", "cell": "{shape}"}, {"header": "batch", "cell": "{batch}"},
+               {"header": "T", "cell": "{T}"}, {"header": "MHSA ms", "cell": "{mhsa:.3f}"}]
+    columns += [{"header": f"LS p={p} ms (lower by)", "cell": f"{{ls{p}:.3f}} ({{ls{p}_lower}}%)"}
+                for p in windows]
+    device = jax.devices()[0]
+    return {
+        "section": "inference", "title": "Prefill: one prompt chunk, LS against MHSA",
+        "card": f"{device.device_kind}, jax {jax.__version__}", "commit": commit,
+        "commands": [command],
+        "note": ("Latency of one jitted prefill chunk holding the whole prompt (median of the "
+                 "calls; cache writes and the last token's logits included), each call blocked "
+                 "on. LS and MHSA run their default attention backends; everything else (the "
+                 "projections, the MLP, the cache writes) is the same work in both."),
+        "columns": columns, "rows": rows}
+
+
+def table_command(argv, out_name: str) -> str:
+    """The command line that wrote a table: this run's arguments without --commit and --out,
+    with ``--out out_name``."""
+    kept = [a for i, a in enumerate(argv) if a not in ("--commit", "--out")
+            and not (i and argv[i - 1] in ("--commit", "--out"))]
+    return " ".join(["python bench/inference.py"] + [f'"{a}"' if not a else a for a in kept]
+                    + [f"--out {out_name}"])
+
+
+def write_json(path: str, table_json: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(table_json, f, indent=1)
+        f.write("\n")
 
 
 def main(argv=None) -> int:
@@ -386,7 +442,9 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check)")
     parser.add_argument("--decode-table", help="also write the decode rows as this "
                         "docs/performance table (bench/perf_page.py then rewrites the page)")
-    parser.add_argument("--commit", default="", help="the commit measured, for --decode-table")
+    parser.add_argument("--prefill-table", help="also write the prefill rows as this "
+                        "docs/performance table")
+    parser.add_argument("--commit", default="", help="the commit measured, for the tables")
     args = parser.parse_args(argv)
     if args.smoke:
         args.shapes, args.windows, args.seq_lens, args.batches = "smoke", "4", "32", "2"
@@ -456,20 +514,17 @@ def main(argv=None) -> int:
     for line in targets:
         print(line)
     print(table(results, windows))
-    if args.decode_table:
-        argv = sys.argv[1:] if argv is None else argv
-        kept = [a for i, a in enumerate(argv) if a != "--commit"
-                and not (i and argv[i - 1] == "--commit") and a != "--out"
-                and not (i and argv[i - 1] == "--out")]
-        command = " ".join(["python bench/inference.py"]
-                           + [f'"{a}"' if not a else a for a in kept] + ["--out decode.json"])
-        table_json = decode_table(results, windows, command, args.commit or "unknown")
+    argv = sys.argv[1:] if argv is None else argv
+    for path, build, name, what in (
+            (args.decode_table, decode_table, "decode.json", "decode"),
+            (args.prefill_table, prefill_table, "prefill.json", "prefill")):
+        if not path:
+            continue
+        table_json = build(results, windows, table_command(argv, name), args.commit or "unknown")
         if not table_json:
-            print("error: --decode-table: some LS decode row is missing", file=sys.stderr)
+            print(f"error: --{what}-table: some LS {what} row is missing", file=sys.stderr)
             return 1
-        with open(args.decode_table, "w") as f:
-            json.dump(table_json, f, indent=1)
-            f.write("\n")
+        write_json(path, table_json)
     return 0
 
 

@@ -57,21 +57,30 @@ def test_the_parts_benchmark_writes_a_table_the_page_takes(tmp_path):
     assert "### Where the time goes" in perf_page.render([table])
 
 
-def test_the_inference_benchmark_writes_its_decode_table(tmp_path):
-    """bench/inference.py --decode-table (tiny sizes on CPU): a table of the page's format,
-    LS against MHSA's fastest decode backend."""
+def test_the_inference_benchmark_writes_its_decode_and_prefill_tables(tmp_path):
+    """bench/inference.py --decode-table and --prefill-table (tiny sizes on CPU): tables of the
+    page's format, LS against MHSA's fastest decode backend and against MHSA's prefill."""
     import subprocess
     import sys
     out = tmp_path / "tables" / "20_decode.json"
+    prefill_out = tmp_path / "tables" / "21_prefill.json"
     out.parent.mkdir()
     subprocess.run([sys.executable, os.path.join(ROOT, "bench", "inference.py"), "--smoke",
                     "--out", str(tmp_path / "raw.json"), "--decode-table", str(out),
-                    "--commit", "abc1234"], check=True, capture_output=True, cwd=ROOT,
+                    "--prefill-table", str(prefill_out), "--commit", "abc1234"],
+                   check=True, capture_output=True, cwd=ROOT,
                    env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    (table,) = perf_page.load_tables(str(out.parent))
+    decode, prefill = perf_page.load_tables(str(out.parent))
     raw = json.loads((tmp_path / "raw.json").read_text())["results"]
     mhsa = max(r["tokens_per_s"] for r in raw if r["variant"] == "MHSA" and r["kind"] == "decode")
-    (row,) = table["rows"]
-    assert row["mhsa"] == round(mhsa) and table["commit"] == "abc1234"
-    assert "--out decode.json" in table["commands"][0] and "--commit" not in table["commands"][0]
-    assert "| smoke | 3 |" in perf_page.render([table])
+    (row,) = decode["rows"]
+    assert row["mhsa"] == round(mhsa) and decode["commit"] == "abc1234"
+    assert "--out decode.json" in decode["commands"][0]
+    assert "--commit" not in decode["commands"][0]
+    assert "| smoke | 3 |" in perf_page.render([decode])
+    by = {r["variant"]: r for r in raw if r["kind"] == "prefill"}
+    (row,) = prefill["rows"]
+    assert row["mhsa"] == round(by["MHSA"]["ms"], 3) and row["ls4"] == round(by["LS p=4"]["ms"], 3)
+    assert row["ls4_lower"] == round(100 * (1 - by["LS p=4"]["ms"] / by["MHSA"]["ms"]))
+    assert "--out prefill.json" in prefill["commands"][0]
+    assert "| smoke | 2 | 32 |" in perf_page.render([prefill])

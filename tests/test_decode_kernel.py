@@ -254,12 +254,13 @@ def test_decode_step_bf16_cache_close_to_float32():
     assert all(k.dtype == jnp.bfloat16 and v.dtype == jnp.bfloat16 for k, v in kv)
 
 
+@pytest.mark.parametrize("blocks", [1, 8, 9, 65])
 @pytest.mark.parametrize("D", [16, 32, 64, 128, 256])
-def test_decode_warps_bound_the_registers_per_thread(D):
-    from ls_jax.kernels.pallas_gpu.decode import BLOCK_S, num_warps
+def test_decode_warps_bound_the_registers_per_thread(D, blocks):
+    from ls_jax.kernels.pallas_gpu.decode import BLOCK_S, SHORT_PROGRAM_BLOCKS, num_warps
 
-    warps = num_warps(D)
-    assert warps >= 2
+    warps = num_warps(D, blocks)
+    assert warps >= (4 if blocks <= SHORT_PROGRAM_BLOCKS else 2)
     assert BLOCK_S * D / (32 * warps) <= 128  # tile elements per thread
 
 

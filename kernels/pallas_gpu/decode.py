@@ -49,10 +49,17 @@ def merge_warps(block_splits: int, D: int) -> int:
     return min(8, max(1, block_splits * D // (32 * 128)))
 
 
-def num_warps(D: int) -> int:
-    """A warp per 32 columns of the head, at least two: each thread then holds at most 128
-    elements of a [BLOCK_S, D] tile, which stay in registers."""
-    return max(2, D // 32)
+# A program that loads at most this many blocks waits mostly on their latency: four warps
+# share each block's loads, so its blocks arrive sooner. A program streaming more keeps its SM
+# busy with two, which leaves room for twice the programs resident.
+SHORT_PROGRAM_BLOCKS = 8
+
+
+def num_warps(D: int, blocks_per_program: int) -> int:
+    """A warp per 32 columns of the head (each thread then holds at most 128 elements of a
+    [BLOCK_S, D] tile, which stay in registers), at least two, and at least four when no
+    program loads more than ``SHORT_PROGRAM_BLOCKS`` blocks."""
+    return max(4 if blocks_per_program <= SHORT_PROGRAM_BLOCKS else 2, D // 32)
 
 
 def _plan(B: int, heads: int, S: int, block_s: int, target_programs: int = TARGET_PROGRAMS):
@@ -225,7 +232,8 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
         grid=(B, len(table)),
         out_shape=out_shape,
         input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps(D), num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps(D, max(per_split)),
+                                             num_stages=2),
         interpret=interpret,
         name="ls_decode_step",
     )(q, k_new, v_new, q_pos, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),

@@ -270,8 +270,8 @@ def table(results, windows) -> str:
 # the decode targets with 8192 cached, by (shape, batch): LS tokens/s over MHSA's best
 # backend's; at batch 1 LS is never slower, at any context
 DECODE_TARGETS = {("paper", 64): 3.5, ("wide", 64): 4.0, ("paper", 1): 1.3, ("wide", 1): 1.0}
-# the prefill targets at T=8192, by batch: how much lower LS's latency is than MHSA's
-PREFILL_TARGETS = {1: 0.0, 8: 0.55}
+# the prefill targets at T=8192, by (shape, batch): how much lower LS's latency is than MHSA's
+PREFILL_TARGETS = {("paper", 1): 0.0, ("paper", 8): 0.55, ("wide", 1): 0.0, ("wide", 8): 0.0}
 
 
 def check_targets(results, windows) -> list[str]:
@@ -292,7 +292,7 @@ def check_targets(results, windows) -> list[str]:
             name = f"{shape} {variant} [{impl}]" if impl else f"{shape} {variant}"
             if base is None:
                 continue
-            want = PREFILL_TARGETS.get(batch)
+            want = PREFILL_TARGETS.get((shape, batch))
             if kind == "prefill" and t == 8192 and want is not None:
                 red = 1 - r["ms"] / base["ms"]
                 out.append(f"prefill T=8192 B={batch} {name}: latency {red:.0%} lower than "

@@ -292,8 +292,8 @@ def check_targets(results, windows) -> list[str]:
             name = f"{shape} {variant} [{impl}]" if impl else f"{shape} {variant}"
             if base is None:
                 continue
-            want = PREFILL_TARGETS.get((shape, batch))
-            if kind == "prefill" and t == 8192 and want is not None:
+            if kind == "prefill" and t == 8192 and (shape, batch) in PREFILL_TARGETS:
+                want = PREFILL_TARGETS[(shape, batch)]
                 red = 1 - r["ms"] / base["ms"]
                 out.append(f"prefill T=8192 B={batch} {name}: latency {red:.0%} lower than "
                            f"MHSA's (target >= {want:.0%}): {'PASS' if red >= want else 'MISS'}")
@@ -348,21 +348,17 @@ def decode_table(results, windows, command: str, commit: str) -> dict:
     columns += [{"header": f"LS p={p}",
                  "cell": f"{{ls{p}:,}} [{{ls{p}_impl}}] ({{ls{p}_x:.2f}}x)"}
                 for p in windows]
-    device = jax.devices()[0]
-    return {
-        "section": "inference",
-        "title": (f"Decoding: tokens/s with {'/'.join(str(c) for c in contexts)} tokens "
-                  "cached, LS against MHSA's best backend"),
-        "card": f"{device.device_kind}, jax {jax.__version__}", "commit": commit,
-        "commands": [command],
-        "note": ("LS has 1 global head, MHSA every head global, the same parameters. Tokens/s "
-                 "through `generate`'s loop (64 steps in one jitted while loop, sampling "
-                 "included) and the backend in brackets: LS on its default decode backend "
-                 "(`kernels.decode.choose_decode_implementation`), MHSA on its fastest for the "
-                 "case. (x): LS over MHSA's best. Single jitted steps called from Python "
-                 "(bench/inference.py's own table) are bound by Python's dispatch at batch 1, "
-                 "so they are not compared here."),
-        "columns": columns, "rows": rows}
+    return page_table(
+        (f"Decoding: tokens/s with {'/'.join(str(c) for c in contexts)} tokens cached, LS "
+         "against MHSA's best backend"),
+        ("LS has 1 global head, MHSA every head global, the same parameters. Tokens/s "
+         "through `generate`'s loop (64 steps in one jitted while loop, sampling "
+         "included) and the backend in brackets: LS on its default decode backend "
+         "(`kernels.decode.choose_decode_implementation`), MHSA on its fastest for the "
+         "case. (x): LS over MHSA's best. Single jitted steps called from Python "
+         "(bench/inference.py's own table) are bound by Python's dispatch at batch 1, "
+         "so they are not compared here."),
+        columns, rows, command, commit)
 
 
 def prefill_table(results, windows, command: str, commit: str) -> dict:
@@ -389,16 +385,22 @@ def prefill_table(results, windows, command: str, commit: str) -> dict:
                {"header": "T", "cell": "{T}"}, {"header": "MHSA ms", "cell": "{mhsa:.3f}"}]
     columns += [{"header": f"LS p={p} ms (lower by)", "cell": f"{{ls{p}:.3f}} ({{ls{p}_lower}}%)"}
                 for p in windows]
-    device = jax.devices()[0]
-    return {
-        "section": "inference", "title": "Prefill: one prompt chunk, LS against MHSA",
-        "card": f"{device.device_kind}, jax {jax.__version__}", "commit": commit,
-        "commands": [command],
-        "note": ("Latency of one jitted prefill chunk holding the whole prompt (median of the "
-                 "calls; cache writes and the last token's logits included), each call blocked "
-                 "on. LS and MHSA run their default attention backends; everything else (the "
-                 "projections, the MLP, the cache writes) is the same work in both."),
-        "columns": columns, "rows": rows}
+    return page_table(
+        "Prefill: one prompt chunk, LS against MHSA",
+        ("Latency of one jitted prefill chunk holding the whole prompt (median of the "
+         "calls; cache writes and the last token's logits included), each call blocked "
+         "on. LS and MHSA run their default attention backends; everything else (the "
+         "projections, the MLP, the cache writes) is the same work in both."),
+        columns, rows, command, commit)
+
+
+def page_table(title: str, note: str, columns, rows, command: str, commit: str) -> dict:
+    """A docs/performance table of this page's section (``bench/perf_page.py``'s format),
+    measured on this process's first device."""
+    return {"section": "inference", "title": title,
+            "card": f"{jax.devices()[0].device_kind}, jax {jax.__version__}",
+            "commit": commit, "commands": [command], "note": note, "columns": columns,
+            "rows": rows}
 
 
 def table_command(argv, out_name: str) -> str:

@@ -239,13 +239,14 @@ def prefill(model: nnx.Module, prompts, cache: KVCache, *, chunk_size: int = 512
     into an empty ``cache``, chunk by chunk. Returns (float32 logits [B, vocab] at each
     prompt's last token, the cache)."""
     _check_chunk_size(chunk_size)
-    return _prefill(model, _as_prompts(prompts, model.cfg.vocab_size), cache, chunk_size,
-                    decode_implementation)
+    return _prefill(model, split_flat(model), _as_prompts(prompts, model.cfg.vocab_size), cache,
+                    chunk_size, decode_implementation)
 
 
-def _prefill(model, prompts: list[np.ndarray], cache: KVCache, chunk_size: int,
+def _prefill(model, flat, prompts: list[np.ndarray], cache: KVCache, chunk_size: int,
              decode_implementation: str | None):
-    """``prefill`` of checked prompts (int32 1-D arrays of ids in the vocabulary)."""
+    """``prefill`` of checked prompts (int32 1-D arrays of ids in the vocabulary), with the
+    model's ``split_flat`` (structure, arrays) as ``flat``."""
     lengths = np.array([len(p) for p in prompts], np.int32)
     longest = int(lengths.max())
     C = min(chunk_size, longest)
@@ -253,7 +254,7 @@ def _prefill(model, prompts: list[np.ndarray], cache: KVCache, chunk_size: int,
     tokens_BxT = np.zeros((len(prompts), n_chunks * C), np.int32)
     for b, p in enumerate(prompts):
         tokens_BxT[b, :len(p)] = p
-    structure, arrays = split_flat(model)
+    structure, arrays = flat
     lengths_B = jnp.asarray(lengths)
     logits_BxV = jnp.zeros((len(prompts), model.cfg.vocab_size), jnp.float32)
     for c in range(n_chunks):
@@ -298,10 +299,10 @@ def generate(model: nnx.Module, prompt_tokens, *, max_new_tokens: int,
 
     t0 = time.perf_counter()
     cache = model.init_cache(len(prompts), max_len, dtype=cache_dtype)
-    logits_BxV, cache = _prefill(model, prompts, cache, chunk_size, decode_implementation)
+    structure, arrays = flat = split_flat(model)
+    logits_BxV, cache = _prefill(model, flat, prompts, cache, chunk_size, decode_implementation)
     jax.block_until_ready(logits_BxV)
     t1 = time.perf_counter()
-    structure, arrays = split_flat(model)
     loop = decode_loop_fn(structure, max_new_tokens=max_new_tokens, temperature=float(temperature),
                           top_k=top_k, top_p=None if top_p is None else float(top_p),
                           end_id=end_id, decode_implementation=decode_implementation)

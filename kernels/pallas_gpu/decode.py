@@ -36,7 +36,7 @@ from ls_jax.kernels.band import allowed, window_array
 _NEG = -1e30
 # Programs a step should have at least: 8 per SM of a 132-SM GPU. A program keeps one block of
 # loads in flight, so an SM streams its share of the cache at its bandwidth only with several
-# resident (with 4, a batch-64 step waits on its loads half the time).
+# resident.
 TARGET_PROGRAMS = 1056
 # Slots a program loads per iteration: a step is bound by memory bandwidth, and 128 slots of
 # keys and values keep enough bytes in flight per program for it.

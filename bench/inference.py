@@ -466,6 +466,13 @@ def main(argv=None) -> int:
         if value < 1:
             print(f"error: {flag}: expected an integer >= 1, got {value}", file=sys.stderr)
             return 2
+    for flag, path, needs in (("--decode-table", args.decode_table, ("contexts", "decode_batches")),
+                              ("--prefill-table", args.prefill_table, ("seq_lens", "batches"))):
+        empty = [f"--{n.replace('_', '-')}" for n in needs if not ints(getattr(args, n))]
+        if path and empty:
+            print(f"error: {flag}: expected rows to write, got none: {' and '.join(empty)} "
+                  f"name no value", file=sys.stderr)
+            return 2
     windows = ints(args.windows)
     decode_impls = (args.decode_impls or ("xla,pallas_gpu" if jax.default_backend() == "gpu"
                                           else "xla")).split(",")

@@ -84,3 +84,25 @@ def test_the_inference_benchmark_writes_its_decode_and_prefill_tables(tmp_path):
     assert row["ls4_lower"] == round(100 * (1 - by["LS p=4"]["ms"] / by["MHSA"]["ms"]))
     assert "--out prefill.json" in prefill["commands"][0]
     assert "| smoke | 2 | 32 |" in perf_page.render([prefill])
+
+
+@pytest.mark.parametrize("flag, empty, named", [
+    ("--prefill-table", ["--seq-lens", ""], "--seq-lens"),
+    ("--decode-table", ["--contexts", "", "--decode-batches", ""],
+     "--contexts and --decode-batches"),
+])
+def test_the_inference_benchmark_refuses_a_table_it_would_have_no_rows_for(tmp_path, flag,
+                                                                           empty, named):
+    """A table flag whose rows the other flags leave out is one error line before any run, and
+    nothing is written."""
+    import subprocess
+    import sys
+    table = tmp_path / "t.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "inference.py"),
+                           "--out", str(tmp_path / "raw.json"), flag, str(table), *empty],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {flag}: expected rows to write, got none: {named} name no value"]
+    assert not table.exists() and not (tmp_path / "raw.json").exists()

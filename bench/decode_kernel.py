@@ -28,7 +28,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.profiler import ProfileData
 
 from ls_jax.kernels.pallas_gpu.decode import TARGET_PROGRAMS, pallas_gpu_decode_step
@@ -38,27 +37,28 @@ LAUNCHES = ("ls_decode_step", "ls_decode_merge")
 
 
 def make_case(shape: str, variant: str, B: int, context: int, window: int):
-    """(layers, q, groups, kv_heads, windows): every slot below ``context`` written."""
+    """(layers, q, groups, kv_heads, windows, position_rules): every slot below ``context``
+    written, the slots' positions given by their rules and the rows' lengths, as the model's
+    cache gives them (``kernels.decode.SlotRule``)."""
     L, H, D = SHAPES[shape]
     S, P = context + 128, window + 1
-    s, r = np.arange(S), np.arange(P)
-    pos_g = np.broadcast_to(np.where(s < context, s, -1), (B, S)).astype(np.int32)
-    pos_r = np.broadcast_to(context - 1 - ((context - 1 - r) % P), (B, P)).astype(np.int32)
+    lengths = jnp.full((B,), context, jnp.int32)
 
     def cache(G, slots):
         return jnp.full((L, B, slots, G, D), 0.01, jnp.bfloat16)
 
     glob_group = (cache(H if variant == "MHSA" else 1, S), cache(H if variant == "MHSA" else 1, S),
-                  jnp.asarray(pos_g), jnp.full((B,), context, jnp.int32))
+                  lengths, jnp.full((B,), context, jnp.int32))
     if variant == "MHSA":
         groups, kv_heads, windows = (glob_group,), (tuple(range(H)),), (None,) * H
+        rules = ("global",)
     else:
-        ring = (cache(H - 1, P), cache(H - 1, P), jnp.asarray(pos_r),
-                jnp.full((B,), context % P, jnp.int32))
+        ring = (cache(H - 1, P), cache(H - 1, P), lengths, jnp.full((B,), context % P, jnp.int32))
         groups, kv_heads = (glob_group, ring), ((0,), tuple(range(1, H)))
         windows = (None,) + (P,) * (H - 1)
+        rules = ("global", "ring")
     q = jax.random.normal(jax.random.key(0), (B, H, D), jnp.bfloat16)
-    return L, q, groups, kv_heads, windows
+    return L, q, groups, kv_heads, windows, rules
 
 
 def launch_times(run) -> dict[str, float]:
@@ -78,12 +78,13 @@ def launch_times(run) -> dict[str, float]:
 
 
 def measure(shape, variant, B, target, args) -> dict:
-    L, q, groups, kv_heads, windows = make_case(shape, variant, B, args.context, args.window)
+    L, q, groups, kv_heads, windows, rules = make_case(shape, variant, B, args.context,
+                                                       args.window)
     D = q.shape[-1]
     step = jax.jit(lambda q, g, layer: pallas_gpu_decode_step(
         q, q, q, jnp.full((B,), args.context, jnp.int32), g, kv_heads=kv_heads,
-        window_sizes=windows, scale=D ** -0.5, layer=layer, interpret=args.smoke,
-        target_programs=target), donate_argnums=(1,))
+        position_rules=rules, window_sizes=windows, scale=D ** -0.5, layer=layer,
+        interpret=args.smoke, target_programs=target), donate_argnums=(1,))
     box = {"g": jax.tree.map(jnp.copy, groups), "out": q}
 
     def run(steps: int):

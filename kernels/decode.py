@@ -3,7 +3,9 @@
 Where ``ls_attention`` takes queries and keys of one sequence (query i, key j, both at
 position = index), a cache holds keys in *slots* whose positions are given explicitly: a
 global head's cache has slot s = position s, a local head's ring buffer has slot s = the
-latest position congruent to s modulo its size. So these entry points take the positions.
+latest position congruent to s modulo its size. So these entry points take the positions;
+a decode step also takes them as a rule of each row's length (``SlotRule``: the two above),
+which the Pallas kernel computes instead of reading.
 
 Query i of row b, head h (window w, None = global) sees slot s iff
 
@@ -177,11 +179,49 @@ def cached_attention_validated(q, k, v, q_pos, k_pos, window_sizes, *, scale: fl
 # -- a decode step: one new token per row, written into the cache and attended with it ------
 
 @dataclasses.dataclass(frozen=True)
+class SlotRule:
+    """The positions a group's slots hold, as a rule of each row's length (the tokens written
+    before this step), so that a kernel computes them instead of loading them.
+
+    kind: "global" (slot s holds position s while s < length: ``global_positions``) or "ring"
+      (slot s holds the latest position below length congruent to s modulo the group's S:
+      ``ring_positions``).
+    lengths_B: int [B].
+    """
+
+    kind: str
+    lengths_B: jax.Array
+
+    def positions(self, S: int) -> jax.Array:
+        """int32 [B, S]: the positions as ``CacheGroup.k_pos`` gives them."""
+        rule = global_positions if self.kind == "global" else ring_positions
+        return rule(self.lengths_B.astype(jnp.int32), S)
+
+
+SLOT_RULES = ("global", "ring")
+
+
+def global_positions(lengths_B: jax.Array, max_len: int) -> jax.Array:
+    """int32 [B, T_max]: slot s holds position s if s < length, else -1."""
+    s = jnp.arange(max_len, dtype=jnp.int32)[None, :]
+    return jnp.where(s < lengths_B[:, None], s, -1)
+
+
+def ring_positions(lengths_B: jax.Array, ring_size: int) -> jax.Array:
+    """int32 [B, P]: slot s holds the latest position < length congruent to s mod P (-1: none)."""
+    s = jnp.arange(ring_size, dtype=jnp.int32)[None, :]
+    last = lengths_B[:, None] - 1
+    pos = last - jnp.mod(last - s, ring_size)
+    return jnp.where(pos >= 0, pos, -1)
+
+
+@dataclasses.dataclass(frozen=True)
 class CacheGroup:
     """The cache slots of some kv heads, as ``decode_step_attention`` reads and writes them.
 
     k, v: [B, S, G, D], the slots of G kv heads.
-    k_pos: int [B, S], the position each slot holds before this step (-1: empty).
+    k_pos: int [B, S], the position each slot holds before this step (-1: empty), or a
+      ``SlotRule`` that gives them.
     slot_B: int [B], the slot whose content this step's key and value replace (a slot outside
       [0, S) is not written; the row's query still sees its own key).
     kv_heads: which of the new token's kv heads the G cache heads hold, in order (static).
@@ -189,7 +229,7 @@ class CacheGroup:
 
     k: jax.Array
     v: jax.Array
-    k_pos: jax.Array
+    k_pos: jax.Array | SlotRule
     slot_B: jax.Array
     kv_heads: tuple[int, ...]
 
@@ -233,9 +273,17 @@ def _check_step(q, k_new, v_new, q_pos, groups, layer) -> None:
         if g.k.dtype not in SUPPORTED_DTYPES or g.v.dtype != g.k.dtype:
             raise ValueError(f"groups[{i}].k/v: expected one dtype of float32, bfloat16 or "
                              f"float16, got {g.k.dtype} and {g.v.dtype}")
-        if tuple(g.k_pos.shape) != (B, S) or not jnp.issubdtype(g.k_pos.dtype, jnp.integer):
-            raise ValueError(f"groups[{i}].k_pos: expected int [B={B}, S={S}], got "
-                             f"{g.k_pos.dtype} {g.k_pos.shape}")
+        if isinstance(g.k_pos, SlotRule):
+            n = g.k_pos.lengths_B
+            if g.k_pos.kind not in SLOT_RULES:
+                raise ValueError(f"groups[{i}].k_pos: expected a SlotRule kind of "
+                                 f"{SLOT_RULES}, got {g.k_pos.kind!r}")
+            if tuple(n.shape) != (B,) or not jnp.issubdtype(n.dtype, jnp.integer):
+                raise ValueError(f"groups[{i}].k_pos.lengths_B: expected int [B={B}], got "
+                                 f"{n.dtype} {n.shape}")
+        elif tuple(g.k_pos.shape) != (B, S) or not jnp.issubdtype(g.k_pos.dtype, jnp.integer):
+            raise ValueError(f"groups[{i}].k_pos: expected int [B={B}, S={S}] or a SlotRule, "
+                             f"got {g.k_pos.dtype} {g.k_pos.shape}")
         if tuple(g.slot_B.shape) != (B,) or not jnp.issubdtype(g.slot_B.dtype, jnp.integer):
             raise ValueError(f"groups[{i}].slot_B: expected int [B={B}], got "
                              f"{g.slot_B.dtype} {g.slot_B.shape}")
@@ -332,17 +380,24 @@ def decode_step_attention_validated(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, 
     one_layer = layer is None  # as the only layer of [1, B, S, G, D] arrays (a bitcast)
     groups = tuple(dataclasses.replace(
         g, k=g.k[None] if one_layer else g.k, v=g.v[None] if one_layer else g.v,
-        k_pos=g.k_pos.astype(jnp.int32), slot_B=g.slot_B.astype(jnp.int32)) for g in groups)
+        slot_B=g.slot_B.astype(jnp.int32)) for g in groups)
     layer = jnp.asarray(0 if one_layer else layer, jnp.int32)
     if impl == "pallas_gpu":
         from ls_jax.kernels.pallas_gpu.decode import pallas_gpu_decode_step
 
+        # a SlotRule group passes its lengths: the kernel computes the positions
+        ruled = [isinstance(g.k_pos, SlotRule) for g in groups]
         out, written = pallas_gpu_decode_step(
             q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B,
-            tuple((g.k, g.v, g.k_pos, g.slot_B) for g in groups),
-            kv_heads=tuple(g.kv_heads for g in groups), window_sizes=window_sizes,
-            scale=scale, layer=layer, interpret=interpret)
+            tuple((g.k, g.v, (g.k_pos.lengths_B if r else g.k_pos).astype(jnp.int32), g.slot_B)
+                  for g, r in zip(groups, ruled)),
+            kv_heads=tuple(g.kv_heads for g in groups),
+            position_rules=tuple(g.k_pos.kind if r else None for g, r in zip(groups, ruled)),
+            window_sizes=window_sizes, scale=scale, layer=layer, interpret=interpret)
     else:
+        groups = tuple(dataclasses.replace(
+            g, k_pos=(g.k_pos.positions(g.k.shape[-3]) if isinstance(g.k_pos, SlotRule)
+                      else g.k_pos.astype(jnp.int32))) for g in groups)
         out, written = _step_masked_softmax(q_BxHxD, k_new_BxGxD, v_new_BxGxD, q_pos_B, groups,
                                             window_sizes, scale, implementation=impl,
                                             layer=layer)

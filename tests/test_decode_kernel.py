@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ls_jax.kernels.decode import (ALL_GLOBAL_XLA_MIN_BATCH, CacheGroup, cached_attention,
-                                   choose_decode_implementation,
-                                   decode_step_attention)
+from ls_jax.kernels.decode import (ALL_GLOBAL_XLA_MIN_BATCH, CacheGroup, SlotRule,
+                                   cached_attention, choose_decode_implementation,
+                                   decode_step_attention, global_positions, ring_positions)
 
 
 def loop_attention(q, k, v, q_pos, k_pos, windows):
@@ -194,6 +194,66 @@ def test_decode_step_on_one_layer_of_stacked_caches(impl):
             np.testing.assert_array_equal(v[other], g.v[other])
 
 
+def ruled_case(S_global=37, P=5, D=16):
+    """A model's cache: kv heads (0, 2) global, kv head 1 in a P-slot ring, rows of lengths
+    30 (the ring wrapped), 3 (not yet), 0 (empty), and a padding row; each row's token at
+    position = its length, in slot = position (mod P in the ring)."""
+    rng = np.random.default_rng(2)
+    lengths = jnp.asarray([30, 3, 0, 6], jnp.int32)
+    q_pos = jnp.asarray([30, 3, 0, -1], jnp.int32)
+    B = lengths.shape[0]
+    q, k_new, v_new = normal(rng, B, 6, D), normal(rng, B, 3, D), normal(rng, B, 3, D)
+    kg, vg = normal(rng, B, S_global, 2, D), normal(rng, B, S_global, 2, D)
+    kr, vr = normal(rng, B, P, 1, D), normal(rng, B, P, 1, D)
+    ruled = (CacheGroup(kg, vg, SlotRule("global", lengths), lengths, (0, 2)),
+             CacheGroup(kr, vr, SlotRule("ring", lengths), lengths % P, (1,)))
+    explicit = (CacheGroup(kg, vg, global_positions(lengths, S_global), lengths, (0, 2)),
+                CacheGroup(kr, vr, ring_positions(lengths, P), lengths % P, (1,)))
+    return q, k_new, v_new, q_pos, ruled, explicit
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas_gpu"])
+def test_decode_step_slot_rules_match_explicit_positions(impl):
+    """A group whose positions are a SlotRule (the pallas kernel computes them, the others
+    build them) attends and writes as with the positions given as arrays."""
+    q, k_new, v_new, q_pos, ruled, explicit = ruled_case()
+    want_out, want_kv = loop_step(q, k_new, v_new, np.asarray(q_pos), explicit, STEP_WINDOWS)
+
+    def fn(q, k_new, v_new, q_pos, arrays):
+        groups = [CacheGroup(k, v, SlotRule(g.k_pos.kind, n), slot, g.kv_heads)
+                  for (k, v, n, slot), g in zip(arrays, ruled)]
+        return decode_step_attention(q, k_new, v_new, q_pos, groups, STEP_WINDOWS,
+                                     implementation=impl, interpret=impl == "pallas_gpu")
+    out, kv = jax.jit(fn)(q, k_new, v_new, q_pos,
+                          [(g.k, g.v, g.k_pos.lengths_B, g.slot_B) for g in ruled])
+    np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(out[3], 0.0)  # the padding row
+    for (k, v), (wk, wv) in zip(kv, want_kv):
+        np.testing.assert_array_equal(k, wk)
+        np.testing.assert_array_equal(v, wv)
+
+
+@pytest.mark.parametrize("rule, S, lengths", [("global", 37, [0, 1, 30, 37, 50]),
+                                              ("ring", 5, [0, 1, 4, 5, 6, 30, 31]),
+                                              ("ring", 1, [0, 1, 9])])
+def test_kernel_slot_positions_match_the_rules(rule, S, lengths):
+    """The pallas kernel's in-register positions equal ``SlotRule.positions``."""
+    from ls_jax.kernels.pallas_gpu.decode import slot_positions
+
+    n = jnp.asarray(lengths, jnp.int32)
+    want = SlotRule(rule, n).positions(S)
+    got = jax.vmap(lambda x: slot_positions(rule, x, jnp.arange(S, dtype=jnp.int32), S))(n)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("values", [(7,), (0, 0, 3, 3, 3, 1), (5, 4, 3, 2, 1), (2, 2, 2)])
+def test_lookup_reads_a_static_table(values):
+    from ls_jax.kernels.pallas_gpu.decode import lookup
+
+    got = jax.vmap(lambda x: lookup(x, values))(jnp.arange(len(values), dtype=jnp.int32))
+    np.testing.assert_array_equal(got, values)
+
+
 @pytest.mark.parametrize("B, n_local, P", [(1, 5, 128), (64, 5, 128), (1, 11, 50),
                                           (64, 11, 128), (3, 0, 0)])
 def test_decode_programs_each_read_their_own_group(B, n_local, P):
@@ -240,7 +300,7 @@ def test_decode_merge_reads_only_the_written_splits(splits_H):
     poison = lambda x, mask: np.where(mask, x, np.nan).astype(np.float32)
     got = merge_splits(jnp.asarray(poison(acc, written[..., None])),
                        jnp.asarray(poison(m, written)), jnp.asarray(poison(l, written)),
-                       np.array(splits_H), jnp.float32, interpret=True)
+                       splits_H, jnp.float32, interpret=True)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -274,10 +334,13 @@ def test_merge_warps_bound_the_registers_per_thread(block_splits, D):
     assert block_splits * D / (32 * warps) <= 128 or warps == 8  # partials per thread
 
 
-@pytest.mark.parametrize("D, S_global, layers", [(32, 37, 1),  # one block of 64 (the clamp)
-                                                 (64, 300, 1),  # three blocks of 128
-                                                 (64, 300, 4)])  # one layer of a model's 4
-def test_pallas_decode_step_lowers_to_triton_for_an_h100(D, S_global, layers):
+@pytest.mark.parametrize("D, S_global, layers, rules", [
+    (32, 37, 1, None),  # one block of 64 (the clamp)
+    (64, 300, 1, None),  # three blocks of 128
+    (64, 300, 4, None),  # one layer of a model's 4
+    (32, 300, 4, ("global", "ring")),  # positions computed from the lengths
+])
+def test_pallas_decode_step_lowers_to_triton_for_an_h100(D, S_global, layers, rules):
     """The kernel's Triton lowering (jaxpr -> Triton IR, run by JAX in Python) for an abstract
     Hopper GPU, without a GPU: what interpret mode does not exercise."""
     from ls_jax.kernels.pallas_gpu.decode import pallas_gpu_decode_step
@@ -285,14 +348,15 @@ def test_pallas_decode_step_lowers_to_triton_for_an_h100(D, S_global, layers):
     q, k_new, v_new, q_pos, groups = step_case(S_global=S_global, D=D)
     args = [x.astype(jnp.bfloat16) for x in (q, k_new, v_new)]
     flat = tuple((jnp.stack([g.k.astype(jnp.bfloat16)] * layers),
-                  jnp.stack([g.v.astype(jnp.bfloat16)] * layers), g.k_pos, g.slot_B)
+                  jnp.stack([g.v.astype(jnp.bfloat16)] * layers),
+                  g.k_pos if rules is None else q_pos, g.slot_B)
                  for g in groups)
 
     def step(q, k_new, v_new, q_pos, flat):
         return pallas_gpu_decode_step(q, k_new, v_new, q_pos, flat,
                                       kv_heads=tuple(g.kv_heads for g in groups),
-                                      window_sizes=STEP_WINDOWS, scale=0.2,
-                                      layer=jnp.int32(layers - 1))
+                                      position_rules=rules, window_sizes=STEP_WINDOWS,
+                                      scale=0.2, layer=jnp.int32(layers - 1))
 
     h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
                                        platform="cuda")
@@ -366,6 +430,14 @@ def test_bad_input():
         decode_step_attention(q, k_new, v_new, q_pos, stacked, STEP_WINDOWS, layer=1)
     with pytest.raises(ValueError, match=r"groups\[0\].k/v: expected \[L, B=3, S, G=2, D=16\]"):
         decode_step_attention(q, k_new, v_new, q_pos, (g0, g1), STEP_WINDOWS, layer=0)
+    with pytest.raises(ValueError, match=r"groups\[1\].k_pos: expected a SlotRule kind of"):
+        decode_step_attention(q, k_new, v_new, q_pos,
+                              (g0, CacheGroup(g1.k, g1.v, SlotRule("linear", q_pos), g1.slot_B,
+                                              g1.kv_heads)), STEP_WINDOWS)
+    with pytest.raises(ValueError, match=r"groups\[1\].k_pos.lengths_B: expected int \[B=3\]"):
+        decode_step_attention(q, k_new, v_new, q_pos,
+                              (g0, CacheGroup(g1.k, g1.v, SlotRule("ring", q_pos[:2]),
+                                              g1.slot_B, g1.kv_heads)), STEP_WINDOWS)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,8 @@ from flax import nnx
 from ls_jax.config import ModelConfig
 from ls_jax.inference.generate import (decode_step, generate, merge_flat, prefill_chunk_fn,
                                        prefill_compiler_options, sample_logits, split_flat)
-from ls_jax.layers.kv_cache import CacheLayout, CacheStep, ring_positions
+from ls_jax.kernels.decode import ring_positions
+from ls_jax.layers.kv_cache import CacheLayout, CacheStep
 from ls_jax.layers.transformer import Transformer
 
 

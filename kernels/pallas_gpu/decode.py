@@ -11,8 +11,11 @@ step is a chain of small launches, so the merge is one launch rather than the se
 fusions its reductions would make. Each group has its own split count (``_plan`` of its slots
 and heads), so a batch-1 step splits a global head's full history over enough programs to fill
 the GPU while a local head's ring gets one program per block it has, and no program has an
-empty share. Split 0 of each head also counts the
-new key (visible at offset 0), and split 0 of the first query head of each kv head writes the
+empty share. A group whose positions follow a ``kernels.decode.SlotRule`` passes each row's
+length, and a program computes its slots' positions (``slot_positions``): its key and value
+loads then wait on no other load, and the step reads no position array. The static tables
+(windows, groups, each program's head and split) are one int32 operand. Split 0 of each head
+also counts the new key (visible at offset 0), and split 0 of the first query head of each kv head writes the
 new key and value into the group's slot: the cache arrays are aliased to the outputs, so the
 write happens in place, and no program reads that slot (it is masked out), so the write races
 with nothing. A step is bound by memory bandwidth and launches (each cached key and value is
@@ -83,13 +86,34 @@ def programs(B: int, Hq: int, group_of_head: Sequence[int], slots: Sequence[int]
     return table, plans
 
 
-_FIXED_INPUTS = 10  # q, k_new, v_new, q_pos, layer, windows, groups, heads, program heads, splits
+_FIXED_INPUTS = 6  # q, k_new, v_new, q_pos, layer, tables
+
+
+def lookup(x, values: Sequence[int]):
+    """``values[x]`` for a traced int32 scalar ``x`` and a static sequence: one select per run of
+    equal values, no load."""
+    out = jnp.int32(values[0])
+    for i in range(1, len(values)):
+        if values[i] != values[i - 1]:
+            out = jnp.where(x >= i, jnp.int32(values[i]), out)
+    return out
+
+
+def slot_positions(rule: str, length, idx_S, S: int):
+    """int32 positions of slots ``idx_S`` of an S-slot group under ``kernels.decode.SlotRule``
+    ``rule``, for a row of ``length`` tokens (-1: empty)."""
+    if rule == "global":
+        return jnp.where(idx_S < length, idx_S, -1)
+    last = length - 1
+    back = jax.lax.rem(last - idx_S, jnp.int32(S))  # lax.rem keeps the dividend's sign
+    pos = last - jnp.where(back < 0, back + S, back)
+    return jnp.where(pos >= 0, pos, -1)
 
 
 def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split: tuple[int, ...],
-                 block_s: int, group: int, scale: float):
-    (q_ref, kn_ref, vn_ref, qpos_ref, layer_ref, win_ref, grp_ref, head_ref, ph_ref,
-     ps_ref) = refs[:_FIXED_INPUTS]
+                 block_s: int, group: int, scale: float, rules: tuple[str | None, ...],
+                 offsets: tuple[int, ...]):
+    q_ref, kn_ref, vn_ref, qpos_ref, layer_ref, tab_ref = refs[:_FIXED_INPUTS]
     n = _FIXED_INPUTS
     group_refs = [refs[n + 4 * i: n + 4 + 4 * i] for i in range(n_groups)]
     acc_ref, m_ref, l_ref = refs[n + 4 * n_groups: n + 3 + 4 * n_groups]
@@ -97,14 +121,16 @@ def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split:
                 for i in range(n_groups)]
     b, j = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]  # the caches are [L, B, S, G, D]: this step's layer
-    h, sp = ph_ref[j], ps_ref[j]  # this program's query head and split
+    # tables: each head's window, group and index in its group, each program's head and split
+    at_win, at_grp, at_head, at_ph, at_ps = offsets
+    h, sp = tab_ref[at_ph + j], tab_ref[at_ps + j]  # this program's query head and split
     D = q_ref.shape[-1]
     kv = jax.lax.div(h, jnp.int32(group))  # the new token's kv head that query head h reads
     q_D = plgpu.load(q_ref.at[b, h, pl.ds(0, D)]).astype(jnp.float32) * scale
     q_pos = qpos_ref[b]
     real = q_pos >= 0
-    window = win_ref[h]
-    cache_head = head_ref[h]  # kv's index among its group's heads
+    window = tab_ref[at_win + h]
+    cache_head = tab_ref[at_head + h]  # kv's index among its group's heads
 
     def attend(i):
         k_ref, v_ref, kpos_ref, slot_ref = group_refs[i]
@@ -127,7 +153,11 @@ def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split:
             start = first + j * block_s
             idx_S = start + jnp.arange(block_s)
             inside_S = (idx_S < S) & (idx_S != slot)  # the replaced slot: the new key now
-            k_pos_S = plgpu.load(kpos_ref.at[b, pl.ds(start, block_s)], mask=inside_S, other=-1)
+            if rules[i] is None:
+                k_pos_S = plgpu.load(kpos_ref.at[b, pl.ds(start, block_s)], mask=inside_S,
+                                     other=-1)
+            else:  # computed: the loads below then wait on no other load
+                k_pos_S = slot_positions(rules[i], kpos_ref[b], idx_S, S)
             ok_S = inside_S & (k_pos_S >= 0) & allowed(q_pos, k_pos_S, window)
             ok_SxD = jnp.broadcast_to(ok_S[:, None], (block_s, D))
             k_SxD = plgpu.load(k_ref.at[layer, b, pl.ds(start, block_s), cache_head,
@@ -153,16 +183,17 @@ def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split:
         plgpu.store(m_ref.at[b, h, pl.ds(sp, 1)], jnp.full((1,), m, jnp.float32))
         plgpu.store(l_ref.at[b, h, pl.ds(sp, 1)], jnp.full((1,), l, jnp.float32))
 
-    grp = grp_ref[h]
+    grp = tab_ref[at_grp + h]
     for i in range(n_groups):
         pl.when(grp == i)(functools.partial(attend, i))
 
 
-def _merge_kernel(splits_ref, acc_ref, m_ref, l_ref, out_ref, *, block_splits: int):
-    """Program (b, h): head h's splits (``splits_ref[h]`` of them) merged into out[b, h]."""
+def _merge_kernel(acc_ref, m_ref, l_ref, out_ref, *, block_splits: int,
+                  splits_H: tuple[int, ...]):
+    """Program (b, h): head h's splits (``splits_H[h]`` of them) merged into out[b, h]."""
     b, h = pl.program_id(0), pl.program_id(1)
     D = acc_ref.shape[-1]
-    launched = jnp.arange(block_splits) < splits_ref[h]  # the others were never written
+    launched = jnp.arange(block_splits) < lookup(h, splits_H)  # the others were never written
     m = plgpu.load(m_ref.at[b, h, pl.ds(0, block_splits)], mask=launched, other=_NEG)
     l = plgpu.load(l_ref.at[b, h, pl.ds(0, block_splits)], mask=launched, other=0.0)
     acc = plgpu.load(acc_ref.at[b, h, pl.ds(0, block_splits), pl.ds(0, D)],
@@ -173,26 +204,27 @@ def _merge_kernel(splits_ref, acc_ref, m_ref, l_ref, out_ref, *, block_splits: i
     plgpu.store(out_ref.at[b, h, pl.ds(0, D)], out.astype(out_ref.dtype))
 
 
-def merge_splits(acc, m, l, splits_H: np.ndarray, dtype, *, interpret: bool = False):
+def merge_splits(acc, m, l, splits_H: Sequence[int], dtype, *, interpret: bool = False):
     """out [B, H, D] (``dtype``) of the attend launch's partials, acc [B, H, splits, D] and
     m, l [B, H, splits] float32, of which head h wrote the first ``splits_H[h]`` splits."""
     B, H, most, D = acc.shape
     block_splits = max(2, 1 << (most - 1).bit_length())
     return pl.pallas_call(
-        functools.partial(_merge_kernel, block_splits=block_splits),
+        functools.partial(_merge_kernel, block_splits=block_splits,
+                          splits_H=tuple(int(x) for x in splits_H)),
         grid=(B, H),
         out_shape=jax.ShapeDtypeStruct((B, H, D), dtype),
         compiler_params=plgpu.CompilerParams(num_warps=merge_warps(block_splits, D),
                                              num_stages=1),
         interpret=interpret,
         name="ls_decode_merge",
-    )(jnp.asarray(np.asarray(splits_H, np.int32)), acc, m, l)
+    )(acc, m, l)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_heads", "window_sizes", "scale", "interpret",
-                                             "block_s", "target_programs"))
+@functools.partial(jax.jit, static_argnames=("kv_heads", "position_rules", "window_sizes",
+                                             "scale", "interpret", "block_s", "target_programs"))
 def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_sizes, scale,
-                           layer, interpret=False, block_s: int = BLOCK_S,
+                           layer, position_rules=None, interpret=False, block_s: int = BLOCK_S,
                            target_programs: int = TARGET_PROGRAMS):
     """``kernels.decode.decode_step_attention`` (validated inputs): q [B, Hq, D], k/v_new
     [B, Hkv, D], q_pos [B], groups ((k, v [L, B, S, G, D], k_pos [B, S], slot [B]), ...) with
@@ -213,9 +245,15 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
     table, plans = programs(B, Hq, grp_H.tolist(), slots, block_s, target_programs)
     splits, per_split = zip(*plans)
     n = len(groups)
+    rules = tuple(position_rules) if position_rules is not None else (None,) * n
+    # one int32 operand holds every table: a constant XLA cannot turn into an iota launch
+    parts = (window_array(window_sizes), grp_H, head_H, [h for h, _ in table],
+             [sp for _, sp in table])
+    offsets = tuple(int(x) for x in np.cumsum([0] + [len(p) for p in parts[:-1]]))
+    tables = np.concatenate([np.asarray(p, np.int32) for p in parts])
     kernel = functools.partial(_step_kernel, n_groups=n, slots=slots,
                                blocks_per_split=per_split, block_s=block_s, group=group,
-                               scale=scale)
+                               scale=scale, rules=rules, offsets=offsets)
     flat = [x for g in groups for x in g]
     most = max(splits)
     out_shape = [jax.ShapeDtypeStruct((B, Hq, most, D), jnp.float32),
@@ -237,8 +275,6 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
         interpret=interpret,
         name="ls_decode_step",
     )(q, k_new, v_new, q_pos, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)),
-      jnp.asarray(window_array(window_sizes)), jnp.asarray(grp_H),
-      jnp.asarray(head_H), jnp.asarray(np.array([h for h, _ in table], np.int32)),
-      jnp.asarray(np.array([sp for _, sp in table], np.int32)), *flat)
+      jnp.asarray(tables), *flat)
     out = merge_splits(acc, m, l, np.array(splits)[grp_H], q.dtype, interpret=interpret)
     return out, tuple(zip(caches[0::2], caches[1::2]))

@@ -22,13 +22,13 @@ from ls_jax.config import layer_window_sizes
 from ls_jax.kernels import normalize_window_sizes
 from ls_jax.kernels.api import ls_attention_validated
 from ls_jax.kernels.decode import (cached_attention_validated,
-                                   decode_step_attention_validated)
+                                   decode_step_attention_validated, global_positions,
+                                   ring_positions)
 from ls_jax.kernels.plan import check_backend_options
 from ls_jax.kernels.heads import kv_group_size, take_heads
 from ls_jax.kernels.reference import default_scale
-from ls_jax.layers.kv_cache import (CacheLayout, CacheStep, KVCache, decode_groups,
-                                    global_positions, layer_of, ring_positions, with_written,
-                                    write_layer)
+from ls_jax.layers.kv_cache import (CacheLayout, CacheStep, KVCache, decode_groups, layer_of,
+                                    with_written, write_layer)
 from ls_jax.layers.rope import apply_rope
 from ls_jax.sharding import attention_spec
 

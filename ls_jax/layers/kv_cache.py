@@ -10,8 +10,8 @@ its query heads, T_max)`` slots, ``[B, P, n_local_kv, D]``: slot s holds the lat
 congruent to s mod P. A window of p keys includes the current one, so P = p slots suffice.
 
 Per row the cache records ``lengths_B``: the number of positions written (the next position
-is ``lengths_B[b]``). Slot positions follow from it (``global_positions``,
-``ring_positions``); slots not yet written have position -1. Shapes are static; the cache is
+is ``lengths_B[b]``). Slot positions follow from it (``kernels.decode``'s ``SlotRule``:
+``global_positions``, ``ring_positions``); slots not yet written have position -1. Shapes are static; the cache is
 a pytree of arrays (``KVCache``), bf16 unless asked otherwise. Every layer of a model has the
 same layout, so each array holds every layer's cache along a leading axis L: the blocks' scan
 reads and writes layer l of it in place (the decode kernel takes the layer index).
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ls_jax.kernels.decode import CacheGroup
+from ls_jax.kernels.decode import CacheGroup, SlotRule, ring_positions
 from ls_jax.kernels.heads import kv_group_size, split_heads, take_heads
 
 
@@ -130,20 +130,6 @@ def init_cache(layout: CacheLayout, num_layers: int, batch_size: int, max_len: i
                    jnp.zeros(l, dtype), jnp.zeros((batch_size,), jnp.int32))
 
 
-def global_positions(lengths_B: jax.Array, max_len: int) -> jax.Array:
-    """int32 [B, T_max]: slot s holds position s if s < length, else -1."""
-    s = jnp.arange(max_len, dtype=jnp.int32)[None, :]
-    return jnp.where(s < lengths_B[:, None], s, -1)
-
-
-def ring_positions(lengths_B: jax.Array, ring_size: int) -> jax.Array:
-    """int32 [B, P]: slot s holds the latest position < length congruent to s mod P (-1: none)."""
-    s = jnp.arange(ring_size, dtype=jnp.int32)[None, :]
-    last = lengths_B[:, None] - 1
-    pos = last - jnp.mod(last - s, ring_size)
-    return jnp.where(pos >= 0, pos, -1)
-
-
 def write_global(cache_LxBxSxGxD, layer, new_BxCxGxD, positions_BxC):
     """Writes the new keys of ``layer`` at slot = position, per row (positions past T_max
     are dropped)."""
@@ -201,15 +187,16 @@ def decode_groups(layout: CacheLayout, cache: KVCache, positions_B,
     """The cache groups a decode step (one new token per row at ``positions_B``) reads and
     writes through ``kernels.decode.decode_step_attention`` with the step's layer: the global
     kv heads' cache (the token goes to slot = position) and the ring (slot = position mod P),
-    each with the positions its slots hold before the step, the arrays of every layer."""
+    each with the rule of the positions its slots hold before the step (a ``SlotRule`` of the
+    old lengths), the arrays of every layer."""
     groups = []
     if layout.global_kv:
         groups.append(CacheGroup(cache.k_global, cache.v_global,
-                                 global_positions(old_lengths_B, cache.max_len),
-                                 positions_B, layout.global_kv))
+                                 SlotRule("global", old_lengths_B), positions_B,
+                                 layout.global_kv))
     if layout.local_kv:
         P = cache.k_local.shape[2]
-        groups.append(CacheGroup(cache.k_local, cache.v_local, ring_positions(old_lengths_B, P),
+        groups.append(CacheGroup(cache.k_local, cache.v_local, SlotRule("ring", old_lengths_B),
                                  jnp.mod(positions_B, P), layout.local_kv))
     return groups
 

@@ -11,6 +11,10 @@ so a change of the split rule can be judged on the launch itself rather than thr
   python bench/decode_kernel.py --programs 528,1056,2112 --shapes paper,wide --batches 64
   python bench/decode_kernel.py --smoke                 # tiny sizes in interpret mode (CPU)
 
+On a GPU each row also gives ``xla_read``: the device time of an XLA pass that reads what the
+attend launch reads of a layer (every group's keys and values) and only sums them, a bound
+for a launch that streams the cache.
+
 Prints a markdown table (microseconds per launch; without a GPU, the step's wall time) and,
 with --out, the rows as JSON.
 """
@@ -21,6 +25,7 @@ import argparse
 import collections
 import glob
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -61,8 +66,8 @@ def make_case(shape: str, variant: str, B: int, context: int, window: int):
     return L, q, groups, kv_heads, windows, rules
 
 
-def launch_times(run) -> dict[str, float]:
-    """Median device microseconds of each decode launch that ``run()`` makes."""
+def kernel_times(run) -> dict[str, list[float]]:
+    """Device microseconds of each kernel launch that ``run()`` makes, by kernel name."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             run()
@@ -72,9 +77,37 @@ def launch_times(run) -> dict[str, float]:
         if plane.name.startswith("/device:GPU"):
             for line in plane.lines:
                 for e in line.events:
-                    if line.name.startswith("Stream") and e.name in LAUNCHES:
+                    if line.name.startswith("Stream") and not e.name.startswith("Memcpy"):
                         times[e.name].append(e.duration_ns / 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def launch_times(run) -> dict[str, float]:
+    """Median device microseconds of each decode launch that ``run()`` makes."""
+    return {name: statistics.median(t) for name, t in kernel_times(run).items()
+            if name in LAUNCHES}
+
+
+def read_time(groups, L: int, steps: int) -> float:
+    """Device microseconds per layer of an XLA pass that reads one layer of every group's k
+    and v (rows of up to 1024 elements, each summed) and does nothing else."""
+    @jax.jit
+    def read(groups, layer):
+        sums = []
+        for k, v, _, _ in groups:
+            for x in (k, v):
+                x = jax.lax.dynamic_index_in_dim(x, layer, keepdims=False)
+                sums.append(x.reshape(-1, math.gcd(x.size, 1024)).astype(jnp.float32).sum(1))
+        return sums
+
+    def run(n):
+        for i in range(n):
+            out = read(groups, jnp.int32(i % L))
+        jax.block_until_ready(out)
+
+    run(2)
+    times = kernel_times(lambda: run(steps))
+    return sum(sum(t) for t in times.values()) / steps
 
 
 def measure(shape, variant, B, target, args) -> dict:
@@ -99,6 +132,7 @@ def measure(shape, variant, B, target, args) -> dict:
            "default": target == TARGET_PROGRAMS}
     if jax.devices()[0].platform == "gpu":
         row.update({k: round(v, 2) for k, v in launch_times(lambda: run(args.steps)).items()})
+        row["xla_read"] = round(read_time(box["g"], L, args.steps), 2)
     else:  # no device trace: the step's wall time
         t0 = time.perf_counter()
         run(args.steps)
@@ -107,7 +141,7 @@ def measure(shape, variant, B, target, args) -> dict:
 
 
 def table(rows) -> str:
-    cols = [c for c in ("ls_decode_step", "ls_decode_merge", "step_wall")
+    cols = [c for c in ("ls_decode_step", "ls_decode_merge", "xla_read", "step_wall")
             if any(c in r for r in rows)]
     lines = ["| shape | variant | batch | programs | " + " | ".join(f"{c} us" for c in cols) + " |",
              "|---|---|---|---|" + "---|" * len(cols)]

@@ -15,12 +15,12 @@ empty share. A group whose positions follow a ``kernels.decode.SlotRule`` passes
 length, and a program computes its slots' positions (``slot_positions``): its key and value
 loads then wait on no other load, and the step reads no position array. The static tables
 (windows, groups, each program's head and split) are one int32 operand. Split 0 of each head
-also counts the new key (visible at offset 0), and split 0 of the first query head of each kv head writes the
-new key and value into the group's slot: the cache arrays are aliased to the outputs, so the
-write happens in place, and no program reads that slot (it is masked out), so the write races
-with nothing. A step is bound by memory bandwidth and launches (each cached key and value is
-read once, 2 FLOPs per byte), so the kernel uses no matrix units: q . k and p . v are
-elementwise products and sums.
+also counts the new key (visible at offset 0), and split 0 of the first query head of each kv
+head writes the new key and value into the group's slot: the cache arrays are aliased to the
+outputs, so the write happens in place, and no program reads that slot (it is masked out), so
+the write races with nothing. A step is bound by memory bandwidth and launches (each cached
+key and value is read once, 2 FLOPs per byte), so the kernel uses no matrix units: q . k and
+p . v are elementwise products and sums.
 """
 
 from __future__ import annotations
@@ -228,9 +228,10 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
                            target_programs: int = TARGET_PROGRAMS):
     """``kernels.decode.decode_step_attention`` (validated inputs): q [B, Hq, D], k/v_new
     [B, Hkv, D], q_pos [B], groups ((k, v [L, B, S, G, D], k_pos [B, S], slot [B]), ...) with
-    kv_heads ((kv heads of each group), ...); the step reads and writes layer ``layer`` (an
-    int32 scalar) of every group's k and v, in place. Returns (out [B, Hq, D], ((k, v), ...)).
-    ``block_s`` and ``target_programs``: the defaults unless a benchmark compares others."""
+    kv_heads ((kv heads of each group), ...); with ``position_rules[i]`` a ``SlotRule`` kind
+    (not None), group i gives its rows' lengths [B] in place of k_pos. The step reads and
+    writes layer ``layer`` (an int32 scalar) of every group's k and v, in place. Returns
+    (out [B, Hq, D], ((k, v), ...)). ``block_s`` and ``target_programs``: the defaults unless a benchmark compares others."""
     B, Hq, D = q.shape
     if D & (D - 1):
         raise ValueError(f"q: the pallas_gpu decode kernel needs a power-of-two head_dim, got {D}")

@@ -11,10 +11,11 @@ congruent to s mod P. A window of p keys includes the current one, so P = p slot
 
 Per row the cache records ``lengths_B``: the number of positions written (the next position
 is ``lengths_B[b]``). Slot positions follow from it (``kernels.decode``'s ``SlotRule``:
-``global_positions``, ``ring_positions``); slots not yet written have position -1. Shapes are static; the cache is
-a pytree of arrays (``KVCache``), bf16 unless asked otherwise. Every layer of a model has the
-same layout, so each array holds every layer's cache along a leading axis L: the blocks' scan
-reads and writes layer l of it in place (the decode kernel takes the layer index).
+``global_positions``, ``ring_positions``); slots not yet written have position -1. Shapes
+are static; the cache is a pytree of arrays (``KVCache``), bf16 unless asked otherwise.
+Every layer of a model has the same layout, so each array holds every layer's cache along a
+leading axis L: the blocks' scan reads and writes layer l of it in place (the decode kernel
+takes the layer index).
 """
 
 from __future__ import annotations

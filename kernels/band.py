@@ -11,6 +11,8 @@ backends and their plans use it, and nothing else restates it.
   ``block_k``, which key blocks a query block's band intersects (forward, dQ), which query
   blocks reach a key block (dK/dV), and the sub-ranges whose tiles lie fully inside the band
   (no element mask needed).
+* Cache slots: the position a decode cache's slot holds, from the row's length
+  (``slot_positions``: the global cache and the ring).
 
 Functions take Python ints or traced int32 scalars (for use inside kernels); ``window`` may be
 None (global) or an int.
@@ -57,6 +59,19 @@ def window_array(window_sizes: WindowSizes) -> np.ndarray:
     """int32 [H]: each head's window for kernels that compare positions at run time (the decode
     kernels); a global head gets int32 max, i.e. it sees every earlier position."""
     return np.array(effective_windows(window_sizes, np.iinfo(np.int32).max), np.int32)
+
+
+def slot_positions(kind: str, length, slot, S: int):
+    """int32 position that ``slot`` of an S-slot cache group holds for a row of ``length``
+    tokens (-1: empty), under ``kernels.decode.SlotRule`` kind ``kind``: "global" (slot =
+    position) or "ring" (the latest position congruent to the slot mod S). Elementwise, so
+    the decode kernel computes a block's positions with it in registers."""
+    if kind == "global":
+        return jnp.where(slot < length, slot, -1)
+    last = length - 1
+    back = jax.lax.rem(last - slot, jnp.int32(S))  # lax.rem keeps the dividend's sign
+    pos = last - jnp.where(back < 0, back + S, back)
+    return jnp.where(pos >= 0, pos, -1)
 
 
 def is_global(window: int | None, seq_len: int) -> bool:

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from ls_jax.kernels.api import SUPPORTED_DTYPES, normalize_window_sizes
-from ls_jax.kernels.band import allowed, window_array
+from ls_jax.kernels.band import allowed, slot_positions, window_array
 from ls_jax.kernels.dispatch import current_platform
 from ls_jax.kernels.heads import kv_group_size, merge_heads, take_heads
 from ls_jax.kernels.reference import default_scale
@@ -204,15 +204,13 @@ SLOT_RULES = ("global", "ring")
 def global_positions(lengths_B: jax.Array, max_len: int) -> jax.Array:
     """int32 [B, T_max]: slot s holds position s if s < length, else -1."""
     s = jnp.arange(max_len, dtype=jnp.int32)[None, :]
-    return jnp.where(s < lengths_B[:, None], s, -1)
+    return slot_positions("global", lengths_B[:, None], s, max_len)
 
 
 def ring_positions(lengths_B: jax.Array, ring_size: int) -> jax.Array:
     """int32 [B, P]: slot s holds the latest position < length congruent to s mod P (-1: none)."""
     s = jnp.arange(ring_size, dtype=jnp.int32)[None, :]
-    last = lengths_B[:, None] - 1
-    pos = last - jnp.mod(last - s, ring_size)
-    return jnp.where(pos >= 0, pos, -1)
+    return slot_positions("ring", lengths_B[:, None], s, ring_size)
 
 
 @dataclasses.dataclass(frozen=True)

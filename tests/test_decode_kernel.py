@@ -237,8 +237,9 @@ def test_decode_step_slot_rules_match_explicit_positions(impl):
                                               ("ring", 5, [0, 1, 4, 5, 6, 30, 31]),
                                               ("ring", 1, [0, 1, 9])])
 def test_kernel_slot_positions_match_the_rules(rule, S, lengths):
-    """The pallas kernel's in-register positions equal ``SlotRule.positions``."""
-    from ls_jax.kernels.pallas_gpu.decode import slot_positions
+    """The positions a kernel program computes from one row's length (a scalar) equal
+    ``SlotRule.positions`` of the rows."""
+    from ls_jax.kernels.band import slot_positions
 
     n = jnp.asarray(lengths, jnp.int32)
     want = SlotRule(rule, n).positions(S)

@@ -12,9 +12,9 @@ fusions its reductions would make. Each group has its own split count (``_plan``
 and heads), so a batch-1 step splits a global head's full history over enough programs to fill
 the GPU while a local head's ring gets one program per block it has, and no program has an
 empty share. A group whose positions follow a ``kernels.decode.SlotRule`` passes each row's
-length, and a program computes its slots' positions (``slot_positions``): its key and value
-loads then wait on no other load, and the step reads no position array. The static tables
-(windows, groups, each program's head and split) are one int32 operand. Split 0 of each head
+length, and a program computes its slots' positions (``kernels.band.slot_positions``): its
+key and value loads then wait on no other load, and the step reads no position array. The
+static tables (windows, groups, each program's head and split) are one int32 operand. Split 0 of each head
 also counts the new key (visible at offset 0), and split 0 of the first query head of each kv
 head writes the new key and value into the group's slot: the cache arrays are aliased to the
 outputs, so the write happens in place, and no program reads that slot (it is masked out), so
@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ls_jax.kernels.band import allowed, window_array
+from ls_jax.kernels.band import allowed, slot_positions, window_array
 
 _NEG = -1e30
 # Programs a step should have at least: 8 per SM of a 132-SM GPU. A program keeps one block of
@@ -99,17 +99,6 @@ def lookup(x, values: Sequence[int]):
     return out
 
 
-def slot_positions(rule: str, length, idx_S, S: int):
-    """int32 positions of slots ``idx_S`` of an S-slot group under ``kernels.decode.SlotRule``
-    ``rule``, for a row of ``length`` tokens (-1: empty)."""
-    if rule == "global":
-        return jnp.where(idx_S < length, idx_S, -1)
-    last = length - 1
-    back = jax.lax.rem(last - idx_S, jnp.int32(S))  # lax.rem keeps the dividend's sign
-    pos = last - jnp.where(back < 0, back + S, back)
-    return jnp.where(pos >= 0, pos, -1)
-
-
 def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split: tuple[int, ...],
                  block_s: int, group: int, scale: float, rules: tuple[str | None, ...],
                  offsets: tuple[int, ...]):
@@ -133,7 +122,8 @@ def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split:
     cache_head = tab_ref[at_head + h]  # kv's index among its group's heads
 
     def attend(i):
-        k_ref, v_ref, kpos_ref, slot_ref = group_refs[i]
+        # pos_ref: the slots' positions [B, S], or the rows' lengths [B] under a rule
+        k_ref, v_ref, pos_ref, slot_ref = group_refs[i]
         k_out_ref, v_out_ref = out_refs[i]
         S, per_split = slots[i], blocks_per_split[i]
         # the new key and value as the cache holds them (its dtype)
@@ -154,10 +144,10 @@ def _step_kernel(*refs, n_groups: int, slots: tuple[int, ...], blocks_per_split:
             idx_S = start + jnp.arange(block_s)
             inside_S = (idx_S < S) & (idx_S != slot)  # the replaced slot: the new key now
             if rules[i] is None:
-                k_pos_S = plgpu.load(kpos_ref.at[b, pl.ds(start, block_s)], mask=inside_S,
+                k_pos_S = plgpu.load(pos_ref.at[b, pl.ds(start, block_s)], mask=inside_S,
                                      other=-1)
             else:  # computed: the loads below then wait on no other load
-                k_pos_S = slot_positions(rules[i], kpos_ref[b], idx_S, S)
+                k_pos_S = slot_positions(rules[i], pos_ref[b], idx_S, S)
             ok_S = inside_S & (k_pos_S >= 0) & allowed(q_pos, k_pos_S, window)
             ok_SxD = jnp.broadcast_to(ok_S[:, None], (block_s, D))
             k_SxD = plgpu.load(k_ref.at[layer, b, pl.ds(start, block_s), cache_head,
@@ -231,7 +221,8 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
     kv_heads ((kv heads of each group), ...); with ``position_rules[i]`` a ``SlotRule`` kind
     (not None), group i gives its rows' lengths [B] in place of k_pos. The step reads and
     writes layer ``layer`` (an int32 scalar) of every group's k and v, in place. Returns
-    (out [B, Hq, D], ((k, v), ...)). ``block_s`` and ``target_programs``: the defaults unless a benchmark compares others."""
+    (out [B, Hq, D], ((k, v), ...)). ``block_s`` and ``target_programs``: the defaults
+    unless a benchmark compares others."""
     B, Hq, D = q.shape
     if D & (D - 1):
         raise ValueError(f"q: the pallas_gpu decode kernel needs a power-of-two head_dim, got {D}")

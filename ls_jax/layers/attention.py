@@ -21,7 +21,7 @@ from flax import nnx
 from ls_jax.config import layer_window_sizes
 from ls_jax.kernels import normalize_window_sizes
 from ls_jax.kernels.api import ls_attention_validated
-from ls_jax.kernels.decode import (cached_attention_validated,
+from ls_jax.kernels.decode import (cached_attention_validated, choose_decode_implementation,
                                    decode_step_attention_validated, global_positions,
                                    ring_positions)
 from ls_jax.kernels.plan import check_backend_options
@@ -194,6 +194,11 @@ class LSAttention(nnx.Module):
                       interpret=self.interpret, positions=positions, segment_ids=segment_ids,
                       return_logit_stats=return_logit_stats)
 
+    @property
+    def projections(self) -> tuple[nnx.Linear, nnx.Linear, nnx.Linear]:
+        """The q, k and v projections."""
+        return self.q_proj, self.k_proj, self.v_proj
+
     def project(self, x_BxTxM: jax.Array):
         """(q [B, T, H, D], k [B, T, G, D], v [B, T, G, D]): the input projections."""
         B, T, _ = x_BxTxM.shape
@@ -216,14 +221,13 @@ class LSAttention(nnx.Module):
         """
         B, C = q_BxCxHxD.shape[:2]
         layout = self.cache_layout
+        if C == 1 and not step.fresh:
+            out_BxHxD, new_cache = self.decode_heads(q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, cache,
+                                                     layer, positions_BxC, step)
+            return self.o_proj(out_BxHxD.reshape(B, 1, self.n_head * self.head_dim)), new_cache
         q_BxCxHxD, k_BxCxGxD = norm_and_rope(
             q_BxCxHxD, k_BxCxGxD, positions_BxC, q_norm=self.q_norm, k_norm=self.k_norm,
             rope_theta=self.rope_theta, dtype=self.dtype)
-        if C == 1 and not step.fresh:
-            out_BxHxD, new_cache = decode_step(
-                layout, cache, layer, q_BxCxHxD[:, 0], k_BxCxGxD[:, 0], v_BxCxGxD[:, 0],
-                positions_BxC[:, 0], step, self.window_sizes, interpret=self.interpret)
-            return self.o_proj(out_BxHxD.reshape(B, 1, self.n_head * self.head_dim)), new_cache
         new_cache = write_layer(cache, layout, layer, k_BxCxGxD, v_BxCxGxD, positions_BxC, step)
         if step.fresh:
             out_BxCxHxD = kernel_attention(q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, self.window_sizes,
@@ -238,6 +242,24 @@ class LSAttention(nnx.Module):
                                            positions_BxC, step)
         y_BxCxM = self.o_proj(out_BxCxHxD.reshape(B, C, self.n_head * self.head_dim))
         return y_BxCxM, new_cache
+
+    def decode_backend(self, batch: int, step: CacheStep) -> str:
+        """The backend of this layer's decode step attention (one new token per row):
+        ``kernels.decode.choose_decode_implementation``'s choice, as ``decode_step`` makes it."""
+        return choose_decode_implementation(
+            step.decode_implementation, one_query=True, head_dim=self.head_dim, batch=batch,
+            all_global=all(w is None for w in self.window_sizes))
+
+    def decode_heads(self, q_Bx1xHxD, k_Bx1xGxD, v_Bx1xGxD, cache: KVCache, layer,
+                     positions_Bx1, step: CacheStep):
+        """A decode step's attention before ``o_proj``: QK-norm and RoPE of one new token per
+        row (projected), then one ``decode_step``. Returns (out [B, H, D], the KVCache)."""
+        q_Bx1xHxD, k_Bx1xGxD = norm_and_rope(
+            q_Bx1xHxD, k_Bx1xGxD, positions_Bx1, q_norm=self.q_norm, k_norm=self.k_norm,
+            rope_theta=self.rope_theta, dtype=self.dtype)
+        return decode_step(self.cache_layout, cache, layer, q_Bx1xHxD[:, 0], k_Bx1xGxD[:, 0],
+                           v_Bx1xGxD[:, 0], positions_Bx1[:, 0], step, self.window_sizes,
+                           interpret=self.interpret)
 
     def _read_cache(self, q_BxCxHxD, k_BxCxGxD, v_BxCxGxD, layout, k_ring, v_ring, k_global,
                     v_global, positions_BxC, step):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ls_jax.kernels.dense import choose_dense_implementation, dense_residual, norm_dense
 from ls_jax.layers.attention import LSAttention, check_positions, partitioned
 from ls_jax.config import ModelConfig
 from ls_jax.layers.kv_cache import CacheStep, KVCache, init_cache
@@ -84,6 +85,18 @@ class Block(nnx.Module):
         only then); with ``cache`` and ``step`` the tokens at ``positions`` attend over layer
         ``layer`` of the KV cache and are written into it (``LSAttention.__call__``).
         """
+        if cache is not None and x_BxTxM.shape[1] == 1 and not step.fresh:
+            B = x_BxTxM.shape[0]
+            # the widest x a product reads: the residual stream (LayerNorms), or the heads'
+            # outputs or the MLP's hidden layer in the compute dtype
+            x_bytes = B * max(x_BxTxM.shape[-1] * x_BxTxM.dtype.itemsize,
+                              max(self.attn.o_proj.in_features, self.mlp.proj.in_features)
+                              * self.compute_dtype.itemsize)
+            dense = choose_dense_implementation(B, dtype=self.compute_dtype,
+                                                attention=self.attn.decode_backend(B, step),
+                                                x_bytes=x_bytes)
+            if dense == "pallas_gpu":
+                return self.decode_fused(x_BxTxM, positions, cache, step, layer)
         h = self.attn.forward(self.ln1(x_BxTxM).astype(self.compute_dtype), positions=positions,
                               segment_ids=segment_ids, return_logit_stats=return_logit_stats,
                               cache=cache, step=step, layer=layer)
@@ -95,6 +108,46 @@ class Block(nnx.Module):
         x_BxTxM = x_BxTxM + h
         x_BxTxM = x_BxTxM + self.mlp(self.ln2(x_BxTxM).astype(self.compute_dtype))
         return x_BxTxM, stats_H, cache
+
+
+    def decode_fused(self, x_Bx1xM, positions_Bx1, cache: KVCache, step: CacheStep, layer):
+        """``__call__``'s decode step (one new token per row) with each LayerNorm and the
+        products that read it, and each product and the residual added to it, as one
+        ``kernels.dense`` launch (pallas_gpu): the flax modules' arithmetic."""
+        B = x_Bx1xM.shape[0]
+        attn, mlp = self.attn, self.mlp
+        kw = dict(compute_dtype=self.compute_dtype, implementation="pallas_gpu",
+                  interpret=attn.interpret)
+        x_BxM = x_Bx1xM[:, 0]
+        q_BxN, k_BxN, v_BxN = norm_dense(
+            x_BxM, *_norm_params(self.ln1), [m.kernel[...] for m in attn.projections],
+            _biases(attn.projections), eps=self.ln1.epsilon, **kw)
+        D = attn.head_dim
+        out_BxHxD, cache = attn.decode_heads(
+            q_BxN.reshape(B, 1, -1, D), k_BxN.reshape(B, 1, -1, D),
+            v_BxN.reshape(B, 1, -1, D), cache, layer, positions_Bx1, step)
+        x_BxM = dense_residual(out_BxHxD.reshape(B, -1), attn.o_proj.kernel[...],
+                               _bias(attn.o_proj), x_BxM, **kw)
+        (h_BxF,) = norm_dense(x_BxM, *_norm_params(self.ln2), [mlp.fc.kernel[...]],
+                              _biases([mlp.fc]), eps=self.ln2.epsilon, activation="gelu_tanh",
+                              **kw)
+        x_BxM = dense_residual(h_BxF, mlp.proj.kernel[...], _bias(mlp.proj), x_BxM, **kw)
+        return x_BxM[:, None], None, cache
+
+
+def _bias(linear: nnx.Linear):
+    return None if linear.bias is None else linear.bias[...]
+
+
+def _biases(linears):
+    return None if linears[0].bias is None else [m.bias[...] for m in linears]
+
+
+def _norm_params(ln: nnx.LayerNorm):
+    """(scale, shift) of a LayerNorm, ones or zeros where it has none."""
+    d = ln.num_features
+    return (jnp.ones((d,), jnp.float32) if ln.scale is None else ln.scale[...],
+            jnp.zeros((d,), jnp.float32) if ln.bias is None else ln.bias[...])
 
 
 def init_blocks(cfg: ModelConfig, key: jax.Array) -> list[Block]:

@@ -20,25 +20,36 @@ ACTIVATIONS = (None, "gelu_tanh")
 # Rows a pallas_gpu call takes: one block of rows per program (kernels/pallas_gpu/dense.py), so
 # each weight block is read once per call.
 PALLAS_MAX_ROWS = 64
-# Bytes of x a pallas_gpu product reads (rows x K x itemsize) at most: every program reads
-# all of x, so past this those reads from L2 cost more than the launches the kernel saves.
-PALLAS_MAX_X_BYTES = 96 * 1024
+# Bytes of x a pallas_gpu launch's programs read together from L2 at most: each program reads
+# all of x for its block of columns, so past this those reads cost more than the launches the
+# kernel saves.
+PALLAS_MAX_X_READS = 8 * 1024 * 1024
 
 
-def choose_dense_implementation(rows: int, *, dtype, attention: str, x_bytes: int) -> str:
+def x_reads(rows: int, row_bytes: int, N: int) -> int:
+    """Bytes of x [rows, K] a pallas_gpu launch with N output columns reads, its programs
+    together: ``row_bytes`` per row (K x itemsize, twice for a LayerNorm's statistics pass)."""
+    from ls_jax.kernels.pallas_gpu.dense import BLOCK_N
+
+    return rows * row_bytes * -(-N // BLOCK_N)
+
+
+def choose_dense_implementation(rows: int, *, dtype, attention: str,
+                                products: Sequence[tuple[int, int]]) -> str:
     """"pallas_gpu" where a decode step's attention runs our Pallas GPU kernel
     (``attention``, ``kernels.decode.choose_decode_implementation``'s choice), on at most
-    ``PALLAS_MAX_ROWS`` rows computed in bfloat16 or float16 whose products each read at most
-    ``PALLAS_MAX_X_BYTES`` of x (``x_bytes``: the most one reads), else "xla".
+    ``PALLAS_MAX_ROWS`` rows computed in bfloat16 or float16, each launch reading at most
+    ``PALLAS_MAX_X_READS`` of x (``products``: the (row bytes, N) of each launch, see
+    ``x_reads``), else "xla".
 
     A decode step's products are small and the step is bound by its launches, which the
-    Pallas kernel makes one per layer part; with more rows or wider x the products are GEMMs
-    that XLA tiles better; Triton's dot runs float32 inputs at reduced precision. With XLA's
-    attention the step stays XLA's: its fusions of the attention read the projections'
+    Pallas kernel makes one per layer part; with more rows or wider layers the products are
+    GEMMs that XLA tiles better; Triton's dot runs float32 inputs at reduced precision. With
+    XLA's attention the step stays XLA's: its fusions of the attention read the projections'
     GEMM."""
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     if (attention == "pallas_gpu" and half and rows <= PALLAS_MAX_ROWS
-            and x_bytes <= PALLAS_MAX_X_BYTES):
+            and max(x_reads(rows, b, n) for b, n in products) <= PALLAS_MAX_X_READS):
         return "pallas_gpu"
     return "xla"
 

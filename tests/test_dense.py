@@ -116,23 +116,51 @@ def test_dense_residual_lowers_to_one_triton_launch(R, K, N):
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
-MAX_X = dense.PALLAS_MAX_X_BYTES
+SMALL = ((1536, 576),)  # a LayerNorm of 192 features and a 576-column product
 
 
-@pytest.mark.parametrize("rows, dtype, attention, x_bytes, want", [
-    pytest.param(1, jnp.bfloat16, "pallas_gpu", 1536, "pallas_gpu", id="decode_row"),
-    pytest.param(dense.PALLAS_MAX_ROWS, jnp.float16, "pallas_gpu", MAX_X, "pallas_gpu",
-                 id="most_rows_widest_x_float16"),
-    pytest.param(dense.PALLAS_MAX_ROWS + 1, jnp.bfloat16, "pallas_gpu", 1536, "xla",
+@pytest.mark.parametrize("rows, dtype, attention, products, want", [
+    pytest.param(1, jnp.bfloat16, "pallas_gpu", SMALL, "pallas_gpu", id="decode_row"),
+    pytest.param(dense.PALLAS_MAX_ROWS, jnp.float16, "pallas_gpu", SMALL, "pallas_gpu",
+                 id="most_rows_float16"),
+    pytest.param(dense.PALLAS_MAX_ROWS + 1, jnp.bfloat16, "pallas_gpu", SMALL, "xla",
                  id="more_rows_are_a_gemm"),
-    pytest.param(16, jnp.bfloat16, "pallas_gpu", MAX_X + 1, "xla", id="wider_x"),
-    pytest.param(1, jnp.float32, "pallas_gpu", 1536, "xla", id="float32_compute"),
-    pytest.param(8, jnp.bfloat16, "xla", 1536, "xla", id="xla_attention"),
-    pytest.param(1, jnp.bfloat16, "reference", 1536, "xla", id="reference_attention"),
+    pytest.param(16, jnp.bfloat16, "pallas_gpu", SMALL + ((6144, 3072),), "xla",
+                 id="a_wide_product"),
+    pytest.param(1, jnp.float32, "pallas_gpu", SMALL, "xla", id="float32_compute"),
+    pytest.param(8, jnp.bfloat16, "xla", SMALL, "xla", id="xla_attention"),
+    pytest.param(1, jnp.bfloat16, "reference", SMALL, "xla", id="reference_attention"),
 ])
-def test_choose_dense_implementation(rows, dtype, attention, x_bytes, want):
+def test_choose_dense_implementation(rows, dtype, attention, products, want):
     assert dense.choose_dense_implementation(rows, dtype=dtype, attention=attention,
-                                             x_bytes=x_bytes) == want
+                                             products=products) == want
+
+
+@pytest.mark.parametrize("rows, row_bytes, N", [(1, 768, 192), (64, 6144, 3072), (3, 100, 17)])
+def test_x_reads_count_each_column_block(rows, row_bytes, N):
+    from ls_jax.kernels.pallas_gpu.dense import BLOCK_N
+
+    programs = -(-N // BLOCK_N)
+    assert dense.x_reads(rows, row_bytes, N) == rows * row_bytes * programs
+
+
+@pytest.mark.parametrize("shape, rows, want", [
+    pytest.param((6, 32, 192), 1, "pallas_gpu", id="paper_one_row"),
+    pytest.param((6, 32, 192), 64, "pallas_gpu", id="paper_64_rows"),
+    pytest.param((12, 64, 768), 1, "pallas_gpu", id="wide_one_row"),
+    pytest.param((12, 64, 768), 16, "xla", id="wide_16_rows"),
+])
+def test_model_blocks_choose_by_their_products(shape, rows, want):
+    """The benchmark's shapes (bench/inference.py): (heads, head_dim, d_model), MLP 4x."""
+    from ls_jax.config import ModelConfig
+    from ls_jax.layers.transformer import Block
+
+    H, D, d = shape
+    cfg = ModelConfig(vocab_size=97, n_layer=1, d_model=d, n_head=H, head_dim=D,
+                      n_global_heads=1, window=50, max_seq_len=64, compute_dtype="bfloat16")
+    block = Block(cfg, rngs=nnx.Rngs(0))
+    assert dense.choose_dense_implementation(rows, dtype=jnp.bfloat16, attention="pallas_gpu",
+                                             products=block.dense_products()) == want
 
 
 def _recorded(fn, calls: list):

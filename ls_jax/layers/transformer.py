@@ -87,14 +87,9 @@ class Block(nnx.Module):
         """
         if cache is not None and x_BxTxM.shape[1] == 1 and not step.fresh:
             B = x_BxTxM.shape[0]
-            # the widest x a product reads: the residual stream (LayerNorms), or the heads'
-            # outputs or the MLP's hidden layer in the compute dtype
-            x_bytes = B * max(x_BxTxM.shape[-1] * x_BxTxM.dtype.itemsize,
-                              max(self.attn.o_proj.in_features, self.mlp.proj.in_features)
-                              * self.compute_dtype.itemsize)
             dense = choose_dense_implementation(B, dtype=self.compute_dtype,
                                                 attention=self.attn.decode_backend(B, step),
-                                                x_bytes=x_bytes)
+                                                products=self.dense_products())
             if dense == "pallas_gpu":
                 return self.decode_fused(x_BxTxM, positions, cache, step, layer)
         h = self.attn.forward(self.ln1(x_BxTxM).astype(self.compute_dtype), positions=positions,
@@ -109,6 +104,16 @@ class Block(nnx.Module):
         x_BxTxM = x_BxTxM + self.mlp(self.ln2(x_BxTxM).astype(self.compute_dtype))
         return x_BxTxM, stats_H, cache
 
+
+    def dense_products(self) -> tuple[tuple[int, int], ...]:
+        """(bytes of a row of x, output columns) of each launch of ``decode_fused``: the
+        LayerNorms read the float32 residual stream twice (statistics, then the product), the
+        output projections their input once in the compute dtype."""
+        d, c = self.ln1.num_features, self.compute_dtype.itemsize
+        attn, hidden = self.attn, self.mlp.fc.out_features
+        qkv = sum(m.out_features for m in attn.projections)
+        return ((2 * 4 * d, qkv), (attn.o_proj.in_features * c, d), (2 * 4 * d, hidden),
+                (hidden * c, d))
 
     def decode_fused(self, x_Bx1xM, positions_Bx1, cache: KVCache, step: CacheStep, layer):
         """``__call__``'s decode step (one new token per row) with each LayerNorm and the

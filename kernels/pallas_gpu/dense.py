@@ -31,8 +31,9 @@ BLOCK_N = 16
 BLOCK_K = 128
 # Loop steps whose loads are in flight together.
 NUM_STAGES = 4
-# A program holds up to 64 rows of x (Triton's dot takes at least 16).
-MAX_BLOCK_M = 64
+# Rows of x a program holds, the fewest Triton's dot takes: more programs, each with less of x
+# to read, finish sooner than fewer holding more rows.
+BLOCK_M = 16
 _GELU_C = math.sqrt(2.0 / math.pi)
 
 
@@ -48,11 +49,6 @@ def block_k(K: int, most: int = BLOCK_K) -> int:
         if bk >= 16 and K % bk == 0:
             return bk
     return min(64, _pow2_block(K, most))
-
-
-def block_m(rows: int) -> int:
-    """Rows of x per program: the rows rounded up to a power of two, 16 to 64."""
-    return _pow2_block(rows, MAX_BLOCK_M)
 
 
 def _gelu_tanh(x):
@@ -155,7 +151,7 @@ def pallas_gpu_dense(x, weights, biases, *, norm=None, eps=None, residual=None,
     (one output) or None. Returns (out [R, N_o] in ``out_dtype``, ...). The block sizes,
     stages and warps: the defaults unless a benchmark compares others."""
     R, K = x.shape
-    bm = block_m(R)
+    bm = BLOCK_M
     bk = block_k(K, max_block_k)
     widths = [int(w.shape[1]) for w in weights]
     starts = tuple(int(s) for s in np.cumsum([0] + [-(-n // _pow2_block(n, block_n))

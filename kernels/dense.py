@@ -15,8 +15,6 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-DENSE_IMPLEMENTATIONS = ("xla", "pallas_gpu")
-ACTIVATIONS = (None, "gelu_tanh")
 # Rows a pallas_gpu call takes: its programs hold 16 rows each (kernels/pallas_gpu/dense.py) and
 # read their weight block once per 16 rows, so past 4 row blocks the product is a GEMM that XLA
 # tiles better.

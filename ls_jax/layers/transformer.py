@@ -83,7 +83,9 @@ class Block(nnx.Module):
 
         The statistics come with ``return_logit_stats`` (the attention kernel computes them
         only then); with ``cache`` and ``step`` the tokens at ``positions`` attend over layer
-        ``layer`` of the KV cache and are written into it (``LSAttention.__call__``).
+        ``layer`` of the KV cache and are written into it (``LSAttention.__call__``). A decode
+        step (one token per row) runs ``decode_fused`` where
+        ``kernels.dense.choose_dense_implementation`` picks the Pallas kernel.
         """
         if cache is not None and x_BxTxM.shape[1] == 1 and not step.fresh:
             B = x_BxTxM.shape[0]
@@ -103,7 +105,6 @@ class Block(nnx.Module):
         x_BxTxM = x_BxTxM + h
         x_BxTxM = x_BxTxM + self.mlp(self.ln2(x_BxTxM).astype(self.compute_dtype))
         return x_BxTxM, stats_H, cache
-
 
     def dense_products(self) -> tuple[tuple[int, int], ...]:
         """(bytes of a row of x, output columns) of each launch of ``decode_fused``: the

@@ -10,6 +10,7 @@ import pytest
 from ls_jax.kernels.decode import (ALL_GLOBAL_XLA_MIN_BATCH, CacheGroup, SlotRule,
                                    cached_attention, choose_decode_implementation,
                                    decode_step_attention, global_positions, ring_positions)
+from triton_lowering import TRITON_CALL, lower_for_hopper  # tests/, beside this file
 
 
 def loop_attention(q, k, v, q_pos, k_pos, windows):
@@ -359,17 +360,9 @@ def test_pallas_decode_step_lowers_to_triton_for_an_h100(D, S_global, layers, ru
                                       position_rules=rules, window_sizes=STEP_WINDOWS,
                                       scale=0.2, layer=jnp.int32(layers - 1))
 
-    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
-                                       platform="cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
-                                                                  abstract_device=h100)):
-        exported = jax.export.export(
-            jax.jit(step), platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args, q_pos, flat)
-    text = exported.mlir_module()
+    text = lower_for_hopper(step, *args, q_pos, flat)
     # one launch attends over both groups, one merges the splits
-    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert text.count(TRITON_CALL) == 2
     assert "ls_decode_step" in text and "ls_decode_merge" in text
 
 

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from ls_jax.kernels import dense
+from triton_lowering import TRITON_CALL, lower_for_hopper  # tests/, beside this file
 
 
 def _normal(i, shape, dtype=jnp.float32, scale=1.0):
@@ -75,18 +76,6 @@ def test_layer_norm_is_flax_layer_norm():
                                ln(x), rtol=1e-5, atol=1e-5)
 
 
-def _lower_for_h100(fn, *args) -> str:
-    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None,
-                                       platform="cuda")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
-                                                                  abstract_device=h100)):
-        exported = jax.export.export(
-            jax.jit(fn), platforms=["cuda"],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(*args)
-    return exported.mlir_module()
-
-
 @pytest.mark.parametrize("R, K, widths, bias, activation", [
     pytest.param(1, 192, (192, 192, 192), True, None, id="paper_qkv_one_row"),
     pytest.param(64, 192, (768,), True, "gelu_tanh", id="paper_mlp_in"),
@@ -97,11 +86,11 @@ def test_norm_dense_lowers_to_one_triton_launch(R, K, widths, bias, activation):
     """The Triton lowering (jaxpr -> Triton IR, in Python) for a Hopper GPU, without one: what
     interpret mode does not exercise."""
     x, scale, shift, weights, biases = _norm_case(R, K, widths, bias)
-    text = _lower_for_h100(
+    text = lower_for_hopper(
         lambda *a: dense.norm_dense(*a[:3], a[3], a[4], eps=1e-5, compute_dtype=jnp.bfloat16,
                                     activation=activation, implementation="pallas_gpu"),
         x, scale, shift, weights, biases)
-    assert text.count("__gpu$xla.gpu.triton") == 1 and "ls_dense" in text
+    assert text.count(TRITON_CALL) == 1 and "ls_dense" in text
 
 
 @pytest.mark.parametrize("R, K, N", [pytest.param(1, 768, 192, id="paper_mlp_out"),
@@ -110,10 +99,10 @@ def test_norm_dense_lowers_to_one_triton_launch(R, K, widths, bias, activation):
 def test_dense_residual_lowers_to_one_triton_launch(R, K, N):
     args = (_normal(0, (R, K), jnp.bfloat16), _normal(1, (K, N), jnp.bfloat16),
             _normal(2, (N,), jnp.bfloat16), _normal(3, (R, N)))
-    text = _lower_for_h100(
+    text = lower_for_hopper(
         lambda h, w, b, r: dense.dense_residual(h, w, b, r, compute_dtype=jnp.bfloat16,
                                                 implementation="pallas_gpu"), *args)
-    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert text.count(TRITON_CALL) == 1
 
 
 SMALL = ((1536, 576),)  # a LayerNorm of 192 features and a 576-column product

@@ -57,6 +57,33 @@ def test_the_parts_benchmark_writes_a_table_the_page_takes(tmp_path):
     assert "### Where the time goes" in perf_page.render([table])
 
 
+def test_the_model_step_benchmark_writes_a_table_the_page_takes(tmp_path):
+    """bench/model_step.py (a tiny model on CPU): a row per variant against MHSA."""
+    import subprocess
+    import sys
+    out = tmp_path / "tables" / "17_model_step.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "model_step.py"), "--smoke",
+                    "--commit", "abc1234", "--out", str(out)], check=True, capture_output=True,
+                   cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    (table,) = perf_page.load_tables(str(out.parent))
+    assert [r["variant"] for r in table["rows"]] == ["LS p=50", "LS p=128", "MHSA"]
+    assert all(r["ms"] > 0 for r in table["rows"]) and table["rows"][-1]["x"] == 1.0
+    assert table["commit"] == "abc1234"
+    assert table["commands"] == [f"python bench/model_step.py --smoke --out {out}"]
+    assert "| MHSA | " in perf_page.render([table])
+
+
+def test_the_model_step_benchmark_refuses_no_timed_steps():
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "model_step.py"),
+                           "--out", "/tmp/never.json", "--reps", "0"], capture_output=True,
+                          text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "model_step.py: error: --reps: expected an int >= 1, got 0")
+
+
 def test_the_inference_benchmark_writes_its_decode_and_prefill_tables(tmp_path):
     """bench/inference.py --decode-table and --prefill-table (tiny sizes on CPU): tables of the
     page's format, LS against MHSA's fastest decode backend and against MHSA's prefill."""

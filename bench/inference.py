@@ -351,13 +351,10 @@ def decode_table(results, windows, command: str, commit: str) -> dict:
     return page_table(
         (f"Decoding: tokens/s with {'/'.join(str(c) for c in contexts)} tokens cached, LS "
          "against MHSA's best backend"),
-        ("LS has 1 global head, MHSA every head global, the same parameters. Tokens/s "
-         "through `generate`'s loop (64 steps in one jitted while loop, sampling "
-         "included) and the backend in brackets: LS on its default decode backend "
-         "(`kernels.decode.choose_decode_implementation`), MHSA on its fastest for the "
-         "case. (x): LS over MHSA's best. Single jitted steps called from Python "
-         "(bench/inference.py's own table) are bound by Python's dispatch at batch 1, "
-         "so they are not compared here."),
+        ("LS: 1 global head; MHSA: every head global; the same parameters. Tokens/s of "
+         "`generate`'s loop (64 steps in one jitted while loop, sampling included); in "
+         "brackets the backend, LS's default and MHSA's fastest for the case. (x): LS over "
+         "MHSA's best."),
         columns, rows, command, commit)
 
 
@@ -388,9 +385,8 @@ def prefill_table(results, windows, command: str, commit: str) -> dict:
     return page_table(
         "Prefill: one prompt chunk, LS against MHSA",
         ("Latency of one jitted prefill chunk holding the whole prompt (median of the "
-         "calls; cache writes and the last token's logits included), each call blocked "
-         "on. LS and MHSA run their default attention backends; everything else (the "
-         "projections, the MLP, the cache writes) is the same work in both."),
+         "calls, each blocked on; cache writes and the last token's logits included), "
+         "each variant on its default attention backend; the rest is the same work."),
         columns, rows, command, commit)
 
 

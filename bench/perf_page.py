@@ -27,16 +27,16 @@ REQUIRED = ("section", "title", "card", "commit", "commands", "columns", "rows")
 INTRO = """\
 # Performance
 
-Measured tables, each with the card, the commit and the commands that regenerate it. This page
-is written by `python bench/perf_page.py` from `docs/performance/*.json` (edit those, then
-rerun it; `tests/test_perf_page.py` checks that the two agree). Why the kernels are built as
-they are: [kernel-notes.md](kernel-notes.md).
+Measured tables with card, commit and the commands that regenerate them, written by `python
+bench/perf_page.py` from `docs/performance/*.json` (`tests/test_perf_page.py` checks that the
+two agree). Why the kernels are built as they are: [kernel-notes.md](kernel-notes.md).
 
 How to read the kernel tables (`bench/attention.py`):
 
 - **Timing**: each sample is the mean of `--batch` back-to-back calls on fresh inputs, a row
   the median of `--reps` samples after warm-up; milliseconds. bf16, batch 4, 16 query heads,
   unless a row says otherwise. `--check` compares every row with the reference on the GPU.
+  Compare inside a table: the same kernel moves by a few percent between machines.
 - **Peers**: "comp." is the cuDNN composition, `implementation="cudnn"`: one cuDNN call for the
   global heads and one with `local_window_size=(p-1, 0)` per local window. "cuDNN" is
   `jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`.
@@ -45,7 +45,6 @@ How to read the kernel tables (`bench/attention.py`):
   at the card's peak rates (`bench/hardware.py`).
 - **Head mixes**: `1g15l` = 1 global + 15 local heads of window p (`2g14l` likewise), `local`
   every head local, `global` every head global; "with stats" = `return_logit_stats=True`.
-- Compare inside a table: the same kernel moves by a few percent between machines.
 """
 
 SECTIONS = {

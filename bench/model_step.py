@@ -12,12 +12,12 @@ Rounds alternate the variants; a row is the median over every timed step.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
 import time
+
+from perf_page import recorded_args, write_table  # bench/, beside this script
 
 # the target: LS's step at least this many times faster than MHSA's
 TARGET = 2.2
@@ -118,15 +118,11 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')}: expected an int >= 1, got {getattr(args, name)}")
     if args.warmup < 0:
         ap.error(f"--warmup: expected an int >= 0, got {args.warmup}")
-    args.argv = [a for i, a in enumerate(argv)
-                 if not a.startswith("--commit") and not (i and argv[i - 1] == "--commit")]
+    args.argv = recorded_args(argv)
     if args.smoke:
         args.seq_len, args.batch_size, args.rounds, args.reps, args.warmup = 256, 2, 1, 1, 0
     out = table(measure(args), args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    write_table(args.out, out)
     for row in out["rows"]:
         print(f"{row['variant']:>9}  {row['ms']:.2f} ms  {row['x']:.2f}x")
     worst = min(r["x"] for r in out["rows"] if r["variant"] != "MHSA")

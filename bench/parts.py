@@ -23,8 +23,6 @@ global at full occupancy). Then ``python bench/perf_page.py`` rewrites docs/perf
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
 import sys
 
@@ -32,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from attention import head_windows, make_input_sets, time_ms  # bench/, beside this script
+from perf_page import recorded_args, write_table  # bench/, beside this script
 from ls_jax.kernels import ls_attention
 
 PARTS = ("all heads", "local heads", "global (ours)", "global (cuDNN)", "global, full",
@@ -147,16 +146,12 @@ def main(argv=None):
     ap.add_argument("--commit", help="the commit measured (default: git's HEAD here)")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
-    args.argv = [a for i, a in enumerate(argv)
-                 if not a.startswith("--commit") and not (i and argv[i - 1] == "--commit")]
+    args.argv = recorded_args(argv)
     if args.smoke:
         args.d, args.n, args.p, args.heads, args.batch_size = 16, 64, 8, 4, 1
         args.mix, args.reps, args.warmup, args.batch = "1g15l", 1, 1, 1
     out = table(measure(args), args)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    write_table(args.out, out)
     for row in out["rows"]:
         print(f"{row['part']:>16}  {row['fwd']:.3f}  {row['fb']:.3f} ms")
     print(out["note"])

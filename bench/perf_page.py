@@ -56,6 +56,20 @@ SECTIONS = {
 }
 
 
+def recorded_args(argv: list[str]) -> list[str]:
+    """A benchmark's arguments as its table's command records them: without ``--commit``."""
+    return [a for i, a in enumerate(argv)
+            if not a.startswith("--commit") and not (i and argv[i - 1] == "--commit")]
+
+
+def write_table(path: str, table: dict) -> None:
+    """One table's JSON file, its folder made if missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+
+
 def load_tables(folder: str = TABLES) -> list[dict]:
     """The tables of ``folder`` in file-name order, each checked for the required fields."""
     tables = []

@@ -6,7 +6,7 @@ LayerNorm as a reduction and an elementwise pass, a product of a few rows as a s
 (or a reduction) whose bias, activation and residual go into the next fusion, and the merged
 q/k/v product as one GEMM and three slices. Here a LayerNorm and the products that read it
 (``norm_dense``), or a product and the residual it is added to (``dense_residual``), are one
-launch: a program owns a block of rows and a block of one output's columns, computes its rows'
+launch: a program owns ``BLOCK_M`` rows and ``BLOCK_N`` columns of one output, computes its rows'
 statistics itself (recomputed per column block from L2, which costs less than a launch), then
 streams the weight in blocks of ``block_k`` rows through Triton's dot, and adds bias,
 activation and residual before its one store.
@@ -56,9 +56,8 @@ def _gelu_tanh(x):
 
 
 def _kernel(*refs, n_out: int, starts: tuple[int, ...], rows: int, K: int, bm: int, bk: int,
-            block_n: int,
-            eps: float | None, has_bias: bool, activation: str | None, residual: bool,
-            compute_dtype):
+            block_n: int, eps: float | None, has_bias: bool, activation: str | None,
+            residual: bool, compute_dtype):
     """Program (i, j): rows i*bm .. of every output, column block j of the outputs laid end to
     end (output o owns blocks starts[o] .. starts[o+1] - 1)."""
     it = iter(refs)

@@ -714,3 +714,11 @@ def test_hopper_launches_fit_at_head_size_256(mix):
             if isinstance(config, HopperBackwardConfig):
                 assert dq_smem(config, 256, 2) <= SMEM_USABLE, (name, T)
                 assert dkdv_smem(config, 256, 2) <= SMEM_USABLE, (name, T)
+
+
+@pytest.mark.parametrize("n, block", [(0, 16), (1, 16), (16, 16), (17, 32), (32, 32), (33, 64),
+                                      (192, 256), (4096, 4096), (4097, 8192)])
+def test_triton_block_is_the_least_power_of_two_from_16(n, block):
+    from ls_jax.kernels.pallas_gpu.common import triton_block
+
+    assert triton_block(n) == block

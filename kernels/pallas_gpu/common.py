@@ -25,6 +25,12 @@ MAX_FLOOR = -1e20  # far below any real scaled logit, far above MASKED_SCORE * c
 LOG2_E = math.log2(math.e)
 
 
+def triton_block(n: int) -> int:
+    """The smallest power of two >= ``n`` and >= 16: Triton's block shapes are powers of two,
+    and its dot takes no dimension below 16."""
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
 def clamp(x, lo, hi):
     return jnp.minimum(jnp.maximum(x, lo), hi)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ls_jax.kernels.pallas_gpu.common import triton_block
+
 LOWERINGS = ("triton", "hopper", "strip")
 
 
@@ -57,7 +59,7 @@ class TritonConfig:
 
     def fit_to(self, seq_len: int) -> "TritonConfig":
         """Every block at most the sequence rounded up to a power of two (>= 16)."""
-        cap = max(16, 1 << max(seq_len - 1, 0).bit_length())
+        cap = triton_block(seq_len)
         names = ("block_q", "block_k", "dq_block_q", "dq_block_k", "dkdv_block_q",
                  "dkdv_block_k")
         return dataclasses.replace(self, **{n: min(getattr(self, n), cap) for n in names})

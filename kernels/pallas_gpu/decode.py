@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ls_jax.kernels.band import allowed, slot_positions, window_array
+from ls_jax.kernels.pallas_gpu.common import triton_block
 
 _NEG = -1e30
 # Programs a step should have at least: 8 per SM of a 132-SM GPU. A program keeps one block of
@@ -233,7 +234,7 @@ def pallas_gpu_decode_step(q, k_new, v_new, q_pos, groups, *, kv_heads, window_s
     grp_H = np.array([where[h // group][0] for h in range(Hq)], np.int32)
     head_H = np.array([where[h // group][1] for h in range(Hq)], np.int32)
     slots = tuple(int(k.shape[2]) for k, _, _, _ in groups)
-    block_s = min(block_s, max(16, 1 << (max(slots) - 1).bit_length()))
+    block_s = min(block_s, triton_block(max(slots)))
     table, plans = programs(B, Hq, grp_H.tolist(), slots, block_s, target_programs)
     splits, per_split = zip(*plans)
     n = len(groups)

@@ -23,6 +23,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ls_jax.kernels.pallas_gpu.common import triton_block
+
 # Columns of one output a program computes. A few rows make a product bound by the latency of
 # its loads, not by its FLOPs: narrow column blocks give more programs, each streaming less.
 BLOCK_N = 16
@@ -39,7 +41,7 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 
 def _pow2_block(n: int, most: int) -> int:
     """``n`` rounded up to a power of two, 16 (Triton's dot) to ``most``."""
-    return min(most, max(16, 1 << (n - 1).bit_length()))
+    return min(most, triton_block(n))
 
 
 def block_k(K: int, most: int = BLOCK_K) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 
 from ls_jax.kernels.band import WindowSizes, cdiv, is_global, kv_block_range, q_block_range
 from ls_jax.kernels.pallas_gpu import heuristics
+from ls_jax.kernels.pallas_gpu.common import triton_block
 from ls_jax.kernels.pallas_gpu.configs import Launches, TritonConfig
 
 
@@ -45,7 +46,7 @@ class AttentionPlan:
 
 def padded_head_dim(head_dim: int) -> int:
     """The head size the kernels compute with: a power of two >= 16."""
-    return max(16, 1 << (head_dim - 1).bit_length())
+    return triton_block(head_dim)
 
 
 def interpreter_consumers(consumers: int) -> int:

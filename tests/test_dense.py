@@ -140,7 +140,8 @@ def test_x_reads_count_each_column_block(rows, row_bytes, N):
     pytest.param((12, 64, 768), 16, "xla", id="wide_16_rows"),
 ])
 def test_model_blocks_choose_by_their_products(shape, rows, want):
-    """The benchmark's shapes (bench/inference.py): (heads, head_dim, d_model), MLP 4x."""
+    """The benchmark's shapes (bench/inference.py): (heads, head_dim, d_model), MLP 4x, the
+    float32 residual stream of ``Transformer``."""
     from ls_jax.config import ModelConfig
     from ls_jax.layers.transformer import Block
 
@@ -149,7 +150,7 @@ def test_model_blocks_choose_by_their_products(shape, rows, want):
                       n_global_heads=1, window=50, max_seq_len=64, compute_dtype="bfloat16")
     block = Block(cfg, rngs=nnx.Rngs(0))
     assert dense.choose_dense_implementation(rows, dtype=jnp.bfloat16, attention="pallas_gpu",
-                                             products=block.dense_products()) == want
+                                             products=block.dense_products(jnp.float32)) == want
 
 
 def _recorded(fn, calls: list):

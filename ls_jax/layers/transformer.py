@@ -91,7 +91,7 @@ class Block(nnx.Module):
             B = x_BxTxM.shape[0]
             dense = choose_dense_implementation(B, dtype=self.compute_dtype,
                                                 attention=self.attn.decode_backend(B, step),
-                                                products=self.dense_products())
+                                                products=self.dense_products(x_BxTxM.dtype))
             if dense == "pallas_gpu":
                 return self.decode_fused(x_BxTxM, positions, cache, step, layer)
         h = self.attn.forward(self.ln1(x_BxTxM).astype(self.compute_dtype), positions=positions,
@@ -106,15 +106,15 @@ class Block(nnx.Module):
         x_BxTxM = x_BxTxM + self.mlp(self.ln2(x_BxTxM).astype(self.compute_dtype))
         return x_BxTxM, stats_H, cache
 
-    def dense_products(self) -> tuple[tuple[int, int], ...]:
+    def dense_products(self, residual_dtype) -> tuple[tuple[int, int], ...]:
         """(bytes of a row of x, output columns) of each launch of ``decode_fused``: the
-        LayerNorms read the float32 residual stream twice (statistics, then the product), the
-        output projections their input once in the compute dtype."""
+        LayerNorms read the residual stream (``residual_dtype``) twice (statistics, then the
+        product), the output projections their input once in the compute dtype."""
         d, c = self.ln1.num_features, self.compute_dtype.itemsize
+        r = 2 * d * jnp.dtype(residual_dtype).itemsize
         attn, hidden = self.attn, self.mlp.fc.out_features
         qkv = sum(m.out_features for m in attn.projections)
-        return ((2 * 4 * d, qkv), (attn.o_proj.in_features * c, d), (2 * 4 * d, hidden),
-                (hidden * c, d))
+        return ((r, qkv), (attn.o_proj.in_features * c, d), (r, hidden), (hidden * c, d))
 
     def decode_fused(self, x_Bx1xM, positions_Bx1, cache: KVCache, step: CacheStep, layer):
         """``__call__``'s decode step (one new token per row) with each LayerNorm and the

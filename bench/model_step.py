@@ -3,7 +3,9 @@
 The paper shape (6 layers, d_model 192, 6 heads of 32, byte vocabulary) at T = 8192, batch 8,
 bfloat16 compute: LS (1 global head, windows 50 and 128) and MHSA (every head global), each on
 its default attention backend, the step `train.py` runs (forward, backward, AdamW update).
-Rounds alternate the variants; a row is the median over every timed step.
+Steps run back to back as in `train.py`, each step's loss read one step late, so the host's
+dispatch overlaps the device's work. A round times ``--reps`` steps of each variant, rounds
+alternate the variants' order, and a row is the median over rounds of the time per step.
 
   python bench/model_step.py --out docs/performance/17_model_step.json
   JAX_PLATFORMS=cpu python bench/model_step.py --smoke --out /tmp/model_step.json
@@ -58,8 +60,9 @@ def compiled_step(model: dict, n_global, window: int, T: int, B: int):
 
 
 def measure(args) -> dict[str, float]:
-    """Milliseconds per step of each variant: the median of ``args.reps`` steps per round over
-    ``args.rounds`` alternated rounds, after ``args.warmup`` steps."""
+    """Milliseconds per step of each variant: per round, ``args.warmup`` steps, then the wall
+    time of ``args.reps`` steps back to back over ``args.reps``; the median over
+    ``args.rounds`` rounds of alternated order."""
     import jax
 
     model = SMOKE if args.smoke else PAPER
@@ -69,12 +72,18 @@ def measure(args) -> dict[str, float]:
     for rnd in range(args.rounds):
         for name in (list(cases) if rnd % 2 == 0 else list(cases)[::-1]):
             step, state, batch = cases[name]
-            for i in range(args.warmup + args.reps):
-                t0 = time.perf_counter()
+            for _ in range(args.warmup):
                 state, metrics = step(state, batch)  # the state is donated
                 jax.block_until_ready(metrics["loss"])
-                if i >= args.warmup:
-                    times[name].append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            late = None
+            for _ in range(args.reps):
+                state, metrics = step(state, batch)
+                if late is not None:
+                    jax.device_get(late)  # the previous step's loss, as train.py reads it
+                late = metrics["loss"]
+            jax.device_get(late)
+            times[name].append((time.perf_counter() - t0) * 1e3 / args.reps)
             cases[name][1] = state
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -106,8 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="the JSON table to write")
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=10, help="timed steps per variant and round")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=20, help="timed steps per variant and round")
     ap.add_argument("--warmup", type=int, default=2, help="steps before the timed ones")
     ap.add_argument("--smoke", action="store_true", help="a tiny model and sequence (CPU)")
     ap.add_argument("--commit", help="the commit measured (default: git's HEAD here)")

@@ -50,9 +50,10 @@ LOCAL_HOPPER_BACKWARD_HEAD_DIM = 128
 # ... and the Hopper forward where every local window is at least this wide; narrower bands
 # leave most of a 128-key block masked.
 LOCAL_HOPPER_FORWARD_MIN_WINDOW = 256
-# D <= 64 LS mixes up to this length run each backward kernel as one Triton launch: a Hopper
-# launch for the global heads beside a Triton one for the local heads costs more than it saves.
-SHORT_MIX_TRITON_BACKWARD_MAX_SEQ_LEN = 8192
+# D <= 64 LS mixes up to this length run each backward kernel as one Triton launch: there a
+# Hopper launch for the global heads beside a Triton one for the local heads costs more than
+# it saves; from twice this length it saves more.
+SHORT_MIX_TRITON_BACKWARD_MAX_SEQ_LEN = 4096
 # The local heads' forward as strips (D=64) from this length; shorter calls are launch-bound.
 STRIP_MIN_SEQ_LEN = 4096
 STRIP_HEAD_DIM = 64  # three strip consumers' registers hold D=64 tiles; D=128 would spill

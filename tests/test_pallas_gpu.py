@@ -554,7 +554,8 @@ GPU_CASES = [
     pytest.param(Shape(8, 1550, 16, 4, 128, (None, 256, 512, 300, None, 1549, 700)
                        + (256,) * 9, jnp.bfloat16), id="d128-wide-windows-gqa"),
     pytest.param(Shape(2, 1024, 8, 2, 64, (None,) * 8, jnp.bfloat16), id="d64-gqa-groups-of-4"),
-    # strips from STRIP_MIN_SEQ_LEN; three backward consumers with programs enough
+    # strips from STRIP_MIN_SEQ_LEN; the global heads' Hopper backward (three consumers with
+    # programs enough) beside the local heads' Triton one
     pytest.param(Shape(2, 8192, 8, 8, 64, (None, 128, None, 50, 128, 256, 1, 200),
                        jnp.bfloat16), id="d64-long-mix-strips"),
     pytest.param(Shape(1, 4000, 8, 2, 64, (None, 50, 512, 1, None, 128, 4000, 7),

@@ -204,7 +204,7 @@ def test_every_head_once_in_each_pass():
 def test_hopper_kernels_take_the_global_heads_where_they_run():
     """Where the Mosaic GPU kernels can run, the global heads run on them in the forward, and
     in the backward but for the documented exception: an LS mix at D <= 64 that is short
-    (``SHORT_MIX_TRITON_BACKWARD_MAX_SEQ_LEN``) or GQA (a split backward needs one kv head per
+    (below ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN``) or GQA (a split backward needs one kv head per
     query head) runs its whole backward on Triton."""
     for case, launches in grid():
         if not hopper_capable(case):
@@ -213,7 +213,7 @@ def test_hopper_kernels_take_the_global_heads_where_they_run():
         for h in glob:
             assert lowering_of(launches.forward, h).lowering == "hopper", describe(case)
         whole_triton = bool(local) and case.head_dim <= 64 and (
-            case.seq_len <= heuristics.SHORT_MIX_TRITON_BACKWARD_MAX_SEQ_LEN
+            case.seq_len < heuristics.SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
             or case.num_kv_heads != HEADS)
         if whole_triton and glob:
             assert [l.lowering for l in launches.backward] == ["triton"], describe(case)
@@ -481,14 +481,14 @@ def test_two_backward_consumers_take_128_rows_from_a_program_per_sm(gpu):
 
 
 def test_short_d64_mixes_run_one_triton_backward():
-    """SHORT_MIX_TRITON_BACKWARD_MAX_SEQ_LEN: an LS mix at D=64 up to it runs its whole
-    backward on Triton; longer, the global heads on the Hopper backward and the local ones on
-    Triton; at D=128 every head on the Hopper backward at any length, GQA too."""
-    T = heuristics.SHORT_MIX_TRITON_BACKWARD_MAX_SEQ_LEN
+    """SPLIT_MIX_BACKWARD_MIN_SEQ_LEN: an LS mix at D=64 below it runs its whole backward on
+    Triton; from it, the global heads on the Hopper backward and the local ones on Triton; at
+    D=128 every head on the Hopper backward at any length, GQA too."""
+    T = heuristics.SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
     every = tuple(range(HEADS))
-    short = heuristics.launches(make_case("bf16", 64, T, 4, "2g", 128, HEADS))
+    short = heuristics.launches(make_case("bf16", 64, T - STRIP_BLOCK, 4, "2g", 128, HEADS))
     assert lowerings(short.backward) == [("triton", every)]
-    long = heuristics.launches(make_case("bf16", 64, T + STRIP_BLOCK, 4, "2g", 128, HEADS))
+    long = heuristics.launches(make_case("bf16", 64, T, 4, "2g", 128, HEADS))
     assert lowerings(long.backward) == [("hopper", (0, 1)), ("triton", every[2:])]
     gqa = heuristics.launches(make_case("bf16", 64, 4 * T, 4, "2g", 128, 4))
     assert lowerings(gqa.backward) == [("triton", every)]

@@ -50,10 +50,9 @@ LOCAL_HOPPER_BACKWARD_HEAD_DIM = 128
 # ... and the Hopper forward where every local window is at least this wide; narrower bands
 # leave most of a 128-key block masked.
 LOCAL_HOPPER_FORWARD_MIN_WINDOW = 256
-# D <= 64 LS mixes up to this length run each backward kernel as one Triton launch: there a
-# Hopper launch for the global heads beside a Triton one for the local heads costs more than
-# it saves; from twice this length it saves more.
-SHORT_MIX_TRITON_BACKWARD_MAX_SEQ_LEN = 4096
+# D <= 64 LS mixes run the global heads on the Hopper backward beside a Triton launch for the
+# local heads from this length; below it one Triton launch for every head is faster.
+SPLIT_MIX_BACKWARD_MIN_SEQ_LEN = 8192
 # The local heads' forward as strips (D=64) from this length; shorter calls are launch-bound.
 STRIP_MIN_SEQ_LEN = 4096
 STRIP_HEAD_DIM = 64  # three strip consumers' registers hold D=64 tiles; D=128 would spill
@@ -263,7 +262,7 @@ def forward_launches(case: Case) -> tuple[Launch, ...]:
 def backward_launches(case: Case) -> tuple[Launch, ...]:
     """The backward: every head on the Hopper kernels with every head global or at D=128; the
     global heads on them and the local heads on the Triton kernels in other mixes (one kv
-    head per query head, longer than ``SHORT_MIX_TRITON_BACKWARD_MAX_SEQ_LEN`` at D <= 64);
+    head per query head, from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN`` at D <= 64);
     else every head on the Triton kernels."""
     everything = tuple(range(case.num_heads))
     triton_all = (Launch("triton", everything, triton_config(case)),)
@@ -272,8 +271,7 @@ def backward_launches(case: Case) -> tuple[Launch, ...]:
     glob, local = case.global_heads(), case.local_heads()
     if not local or case.head_dim == LOCAL_HOPPER_BACKWARD_HEAD_DIM:
         return (Launch("hopper", everything, hopper_backward(case)),)
-    short_narrow = (case.head_dim <= 64
-                    and case.seq_len <= SHORT_MIX_TRITON_BACKWARD_MAX_SEQ_LEN)
+    short_narrow = case.head_dim <= 64 and case.seq_len < SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
     if not glob or short_narrow or case.num_kv_heads != case.num_heads:
         return triton_all
     return (Launch("hopper", glob, hopper_backward(case)),

@@ -59,6 +59,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from perf_page import write_table  # bench/, beside this script
 from ls_jax.config import ModelConfig
 from ls_jax.inference.generate import (decode_loop_fn, decode_step, merge_flat,
                                        prefill_chunk_fn, split_flat)
@@ -408,12 +409,6 @@ def table_command(argv, out_name: str) -> str:
                     + [f"--out {out_name}"])
 
 
-def write_json(path: str, table_json: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(table_json, f, indent=1)
-        f.write("\n")
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="JSON output path")
@@ -529,7 +524,7 @@ def main(argv=None) -> int:
         if not table_json:
             print(f"error: --{what}-table: some LS {what} row is missing", file=sys.stderr)
             return 1
-        write_json(path, table_json)
+        write_table(path, table_json)
     return 0
 
 

@@ -15,6 +15,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from ls_jax.kernels.band import cdiv
+
 # Rows a pallas_gpu call takes: its programs hold 16 rows each (kernels/pallas_gpu/dense.py) and
 # read their weight block once per 16 rows, so past 4 row blocks the product is a GEMM that XLA
 # tiles better.
@@ -30,7 +32,7 @@ def x_reads(rows: int, row_bytes: int, N: int) -> int:
     together: ``row_bytes`` per row (K x itemsize, twice for a LayerNorm's statistics pass)."""
     from ls_jax.kernels.pallas_gpu.dense import BLOCK_N
 
-    return rows * row_bytes * -(-N // BLOCK_N)
+    return rows * row_bytes * cdiv(N, BLOCK_N)
 
 
 def choose_dense_implementation(rows: int, *, dtype, attention: str,

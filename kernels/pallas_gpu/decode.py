@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ls_jax.kernels.band import allowed, slot_positions, window_array
+from ls_jax.kernels.band import allowed, cdiv, slot_positions, window_array
 from ls_jax.kernels.pallas_gpu.common import triton_block
 
 _NEG = -1e30
@@ -69,10 +69,10 @@ def num_warps(D: int, blocks_per_program: int) -> int:
 def _plan(B: int, heads: int, S: int, block_s: int, target_programs: int = TARGET_PROGRAMS):
     """(splits, blocks per split) of one group: enough programs (rows x its query heads x
     splits) to fill the GPU, no empty split."""
-    blocks = -(-S // block_s)
-    splits = max(1, min(blocks, -(-target_programs // (B * heads))))
-    per_split = -(-blocks // splits)
-    return -(-blocks // per_split), per_split
+    blocks = cdiv(S, block_s)
+    splits = max(1, min(blocks, cdiv(target_programs, B * heads)))
+    per_split = cdiv(blocks, splits)
+    return cdiv(blocks, per_split), per_split
 
 
 def programs(B: int, Hq: int, group_of_head: Sequence[int], slots: Sequence[int],

@@ -23,6 +23,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ls_jax.kernels.band import cdiv
 from ls_jax.kernels.pallas_gpu.common import triton_block
 
 # Columns of one output a program computes. A few rows make a product bound by the latency of
@@ -72,7 +73,7 @@ def _kernel(*refs, n_out: int, starts: tuple[int, ...], rows: int, K: int, bm: i
     i, j = pl.program_id(0), pl.program_id(1)
     r0 = i * bm
     row_ok = (r0 + jnp.arange(bm)) < rows
-    steps = -(-K // bk)
+    steps = cdiv(K, bk)
 
     def load(ref, mask, f32=True):  # zeros where masked out; Triton takes no fill without a mask
         x = plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0.0)
@@ -155,7 +156,7 @@ def pallas_gpu_dense(x, weights, biases, *, norm=None, eps=None, residual=None,
     bm = BLOCK_M
     bk = block_k(K, max_block_k)
     widths = [int(w.shape[1]) for w in weights]
-    starts = tuple(int(s) for s in np.cumsum([0] + [-(-n // _pow2_block(n, block_n))
+    starts = tuple(int(s) for s in np.cumsum([0] + [cdiv(n, _pow2_block(n, block_n))
                                                     for n in widths]))
     kernel = functools.partial(
         _kernel, n_out=len(weights), starts=starts, rows=R, K=K, bm=bm, bk=bk, block_n=block_n,
@@ -166,7 +167,7 @@ def pallas_gpu_dense(x, weights, biases, *, norm=None, eps=None, residual=None,
               *(() if residual is None else (residual,))]
     return tuple(pl.pallas_call(
         kernel,
-        grid=(-(-R // bm), starts[-1]),
+        grid=(cdiv(R, bm), starts[-1]),
         out_shape=[jax.ShapeDtypeStruct((R, n), out_dtype) for n in widths],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,

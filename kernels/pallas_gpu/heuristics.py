@@ -51,7 +51,8 @@ LOCAL_HOPPER_BACKWARD_HEAD_DIM = 128
 # leave most of a 128-key block masked.
 LOCAL_HOPPER_FORWARD_MIN_WINDOW = 256
 # D <= 64 LS mixes run the global heads on the Hopper backward beside a Triton launch for the
-# local heads from this length; below it one Triton launch for every head is faster.
+# local heads from this length; below it one Triton launch for every head is faster, from it
+# the split keeps pace and gains with length.
 SPLIT_MIX_BACKWARD_MIN_SEQ_LEN = 8192
 # The local heads' forward as strips (D=64) from this length; shorter calls are launch-bound.
 STRIP_MIN_SEQ_LEN = 4096

@@ -38,6 +38,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import signal
@@ -75,7 +76,7 @@ def head_windows(mix: str, num_heads: int, p: int):
     raise ValueError(f"--mix: expected one of {MIXES}, got {mix!r}")
 
 
-LAUNCHES = ("default", "all-mosaic")
+LAUNCHES = ("default", "all-mosaic", "triton-backward")
 
 
 def all_mosaic(case: heuristics.Case) -> Launches:
@@ -99,6 +100,18 @@ def all_mosaic(case: heuristics.Case) -> Launches:
                     num_kv_heads=case.num_kv_heads)
 
 
+def triton_backward(case: heuristics.Case) -> Launches:
+    """The heuristics' launches with the local heads' fused strip backward replaced by the
+    Triton kernels (one launch for every head when no Hopper launch precedes it)."""
+    launches = heuristics.launches(case)
+    if all(launch.lowering != "strip" for launch in launches.backward):
+        return launches
+    triton = heuristics.triton_config(case)
+    backward = tuple(Launch("triton", l.heads, triton) if l.lowering == "strip" else l
+                     for l in launches.backward)
+    return dataclasses.replace(launches, backward=backward)
+
+
 def choose_launches(name: str, dtype, head_dim: int, windows, seq_len: int, batch: int,
                     num_kv_heads: int) -> Launches | None:
     """None (the heuristics' launches, chosen inside the call) or the named variant."""
@@ -110,7 +123,7 @@ def choose_launches(name: str, dtype, head_dim: int, windows, seq_len: int, batc
                            windows=tuple(windows), seq_len=seq_len, batch=batch,
                            num_kv_heads=num_kv_heads, has_segments=False,
                            gpu=heuristics.current_gpu())
-    return all_mosaic(case)
+    return all_mosaic(case) if name == "all-mosaic" else triton_backward(case)
 
 
 def make_input_sets(B, n, H, D, dtype, seed, kv_heads=None):
@@ -356,7 +369,8 @@ def main():
     ap.add_argument("--impl", default="ours,cudnn_ls,cudnn_causal,triton_mha")
     ap.add_argument("--launches", default="default",
                     help=f"ours' launches, comma separated among {LAUNCHES}: the heuristics' "
-                         "choice, or every Triton launch replaced by Mosaic GPU ones")
+                         "choice, every Triton launch replaced by Mosaic GPU ones, or the "
+                         "local heads' strip backward replaced by the Triton kernels")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=0,

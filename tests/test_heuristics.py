@@ -2,8 +2,8 @@
 
 Invariants are checked over a grid of cases (head size, length, batch, mixes of global and
 local heads, GQA, windows, dtype, segment ids, GPU): every head covered once in each pass, the
-Hopper kernels where they can run and Triton where they cannot, strips only where their ring
-fits, shared memory and registers within the hardware's limits, padding to whole blocks. The
+Hopper kernels where they can run and Triton where they cannot, strips (forward and backward)
+only where their buffers fit, shared memory and registers within the hardware's limits, padding to whole blocks. The
 thresholds are tested by the switch they cause (a case on either side of the named constant),
 never restated. Shared memory is counted here from each kernel's buffers, independently of
 the heuristics' own counts.
@@ -24,11 +24,12 @@ from ls_jax.kernels.band import cdiv
 from ls_jax.kernels.pallas_gpu import heuristics
 from ls_jax.kernels.pallas_gpu.configs import (STRIP_BLOCK, HopperBackwardConfig,
                                                HopperForwardConfig, Launch, Launches,
-                                               StripConfig, TritonConfig)
+                                               StripBackwardConfig, StripConfig, TritonConfig)
 from ls_jax.kernels.pallas_gpu.heuristics import SMEM_BYTES, SMEM_SPARE, Case, Gpu
 from ls_jax.kernels.pallas_gpu.mosaic.backward import dq_smem_bytes
 from ls_jax.kernels.pallas_gpu.mosaic.ring import (REGISTERS, STAGES, WARPGROUP_THREADS,
                                                    launch_registers)
+from ls_jax.kernels.pallas_gpu.mosaic import strip_backward
 from ls_jax.kernels.pallas_gpu.mosaic.strip import strip_stages
 from ls_jax.kernels.pallas_gpu.plan import make_plan, padded_head_dim
 
@@ -70,6 +71,18 @@ def strip_smem(window: int, head_dim: int, itemsize: int, consumers: int) -> int
     value rings (``strip_stages`` slots), lse and statistics rows per consumer."""
     tiles = 3 * consumers + 2 * strip_stages(window, consumers)
     return tiles * STRIP_BLOCK * head_dim * itemsize + 2 * consumers * STRIP_BLOCK * 4
+
+
+def strip_backward_smem(window: int, head_dim: int, itemsize: int, kv_slots: int) -> int:
+    """The fused strip backward's buffers, two consumer/producer pairs each: K and V
+    (``kv_slots`` of each), a ring of Q and dO tiles with lse and delta rows (as many slots as
+    query blocks meet one key block), a dS staging tile and float32 dQ tiles (one fewer than
+    the ring's slots, at least one)."""
+    tile = STRIP_BLOCK * head_dim * itemsize
+    slots = (STRIP_BLOCK - 1 + window - 1) // STRIP_BLOCK + 1  # the key block's last key's band
+    per_pair = (2 * kv_slots * tile + slots * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
+                + max(slots - 1, 1) * STRIP_BLOCK * head_dim * 4)
+    return 2 * per_pair
 
 
 def live_f32_registers(launch: Launch, head_dim: int) -> int:
@@ -174,14 +187,15 @@ def test_grid_reaches_every_lowering_and_config():
     for case, launches in grid():
         for name, launch in all_launches(launches):
             seen[name, launch.lowering] += 1
-            if launch.lowering != "triton":
+            if hasattr(launch.config, "consumers"):
                 seen[name, launch.lowering, launch.config.consumers] += 1
             if isinstance(launch.config, HopperBackwardConfig):
                 seen["dq_delta", launch.config.dq_delta] += 1
         seen["split forward" if len(launches.forward) > 1 else "one forward"] += 1
         seen["split backward" if len(launches.backward) > 1 else "one backward"] += 1
     for key in [("forward", "triton"), ("forward", "hopper", 2), ("forward", "hopper", 3),
-                ("forward", "strip", 3), ("backward", "triton"), ("backward", "hopper", 2),
+                ("forward", "strip", 3), ("backward", "strip"), ("backward", "triton"),
+                ("backward", "hopper", 2),
                 ("backward", "hopper", 3), ("dq_delta", True), ("dq_delta", False),
                 "split forward", "one forward", "split backward", "one backward"]:
         assert seen[key] > 0, key
@@ -196,8 +210,8 @@ def test_every_head_once_in_each_pass():
         for name in ("forward", "backward"):
             heads = [h for launch in getattr(launches, name) for h in launch.heads]
             assert sorted(heads) == list(range(HEADS)), (name, describe(case))
-        assert all(l.lowering != "strip" for l in launches.backward), describe(case)
-        if len(launches.backward) > 1:  # dK/dV sums a GQA group in one kernel
+        split = len(launches.backward) > 1 or launches.backward[0].lowering == "strip"
+        if split:  # dK/dV sums a GQA group in one kernel
             assert case.num_kv_heads == HEADS, describe(case)
 
 
@@ -251,6 +265,61 @@ def test_strips_only_for_d64_local_heads_whose_ring_fits():
                               launch.config.consumers) <= SMEM_USABLE, describe(case)
 
 
+def test_strip_backward_only_for_d64_local_heads_whose_buffers_fit():
+    """The local heads' backward runs as fused strips exactly where the Hopper kernels run, at
+    D=64, from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN``, with one kv head per query head, and where
+    the buffers for the widest local window with two K/V slots fit shared memory; the global
+    heads then run on the Hopper backward before it."""
+    count = 0
+    for case, launches in grid():
+        local = case.local_heads()
+        itemsize = jnp.dtype(case.dtype).itemsize
+        want = (hopper_capable(case) and case.head_dim == 64 and bool(local)
+                and case.seq_len >= heuristics.SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
+                and case.num_kv_heads == HEADS
+                and strip_backward_smem(max(case.windows[h] for h in local), 64, itemsize,
+                                        2) <= SMEM_USABLE)
+        strips = [l for l in launches.backward if l.lowering == "strip"]
+        assert bool(strips) == want, describe(case)
+        if strips:
+            count += 1
+            assert strips[0].heads == local and launches.backward[-1] is strips[0]
+            assert strips[0].config.kv_slots == 2, describe(case)
+            if case.global_heads():
+                assert lowerings(launches.backward)[0] == ("hopper", case.global_heads())
+    assert count > 0
+
+
+def test_strip_backward_smem_bytes_counts_its_buffers():
+    """``strip_backward.smem_bytes`` (what ``strip_backward_fits`` decides by) is the kernel's
+    buffers as counted here, for windows 1 to 300 and both K/V slot counts."""
+    for window, kv_slots in itertools.product(range(1, 300), (1, 2)):
+        assert strip_backward.smem_bytes(window, 64, 2, kv_slots) == strip_backward_smem(
+            window, 64, 2, kv_slots), (window, kv_slots)
+
+
+def test_strip_backward_window_limit():
+    """Windows up to 65 (two query blocks meet a key block) take the fused strip backward,
+    wider ones the Triton kernels."""
+    for window, want in [(1, "strip"), (64, "strip"), (65, "strip"), (66, "triton"),
+                         (128, "triton")]:
+        launches = heuristics.launches(make_case("bf16", 64, 8192, 4, "1g", window, HEADS))
+        assert [l.lowering for l in launches.backward] == ["hopper", want], window
+
+
+def test_strip_backward_fills_at_most_one_wave():
+    """A strip backward launch (two sub-strips a program) has at most one program per SM
+    unless each (head, batch element) row is two sub-strips already."""
+    for case, launches in grid():
+        for launch in launches.backward:
+            if launch.lowering != "strip":
+                continue
+            sub = launch.config.sub_blocks
+            per_row = cdiv(cdiv(cdiv(case.seq_len, STRIP_BLOCK), sub), 2)
+            if per_row > 1:
+                assert case.batch * len(launch.heads) * per_row <= case.gpu.sms, describe(case)
+
+
 def test_hopper_shared_memory_fits():
     """Every Hopper launch's buffers fit one program's shared memory with the lowering's spare
     left; delta is computed in the dQ kernel exactly where O's tile fits too."""
@@ -289,7 +358,7 @@ def test_consumers_fit_their_registers():
     spills); three consumers only at D <= 128 in the forward and D <= 64 in the backward."""
     for case, launches in grid():
         for name, launch in all_launches(launches):
-            if launch.lowering == "triton":
+            if not hasattr(launch.config, "consumers"):  # Triton; the strip backward's pairs
                 continue
             consumers = launch.config.consumers
             assert consumers in REGISTERS, describe(case)
@@ -315,6 +384,16 @@ def test_register_budgets_fit_what_a_program_launches_with(consumers):
     assert producer < consumer
 
 
+def test_strip_backward_registers_fit_what_its_program_launches_with():
+    """The strip backward's two consumers and two producers (``strip_backward.REGISTERS``)
+    share what a program of four warpgroups starts with."""
+    consumer, producer = strip_backward.REGISTERS
+    pairs = strip_backward.PAIRS
+    assert pairs * (consumer + producer) <= 2 * pairs * launch_registers(2 * pairs)
+    for budget in (consumer, producer):
+        assert budget % 8 == 0 and 24 <= budget <= 256
+
+
 def test_padded_length_is_a_multiple_of_every_block():
     """``make_plan`` pads T to a whole number of every block of every launch (the kernels load
     whole blocks unmasked), by less than the largest block; Triton tiles are cut to the
@@ -332,7 +411,7 @@ def test_padded_length_is_a_multiple_of_every_block():
                 sizes = [config.block_q, config.block_k, config.dq_block_q, config.dq_block_k,
                          config.dkdv_block_q, config.dkdv_block_k]
                 assert max(sizes) < 2 * max(case.seq_len, 16), describe(case)
-            elif isinstance(config, StripConfig):
+            elif isinstance(config, (StripConfig, StripBackwardConfig)):
                 sizes = [STRIP_BLOCK]
             elif isinstance(config, HopperForwardConfig):
                 sizes = [config.block_q, config.block_k]
@@ -608,9 +687,15 @@ def test_current_gpu_is_the_abstract_meshs_gpu(kind, hopper):
                  id="launch-heads-order"),
     pytest.param(lambda: Launch("triton", (), TritonConfig()),
                  "Launch.heads: expected distinct head indices", id="launch-no-heads"),
+    pytest.param(lambda: StripBackwardConfig(sub_blocks=0),
+                 "StripBackwardConfig.sub_blocks: expected an int >= 1, got 0",
+                 id="strip-backward-sub-blocks"),
+    pytest.param(lambda: StripBackwardConfig(kv_slots=3),
+                 "StripBackwardConfig.kv_slots: expected one of (1, 2), got 3",
+                 id="strip-backward-kv-slots"),
     pytest.param(lambda: Launch("strip", (0,), HopperForwardConfig()),
-                 "Launch.config: expected StripConfig for lowering 'strip'",
-                 id="launch-config-type"),
+                 "Launch.config: expected StripConfig or StripBackwardConfig for lowering "
+                 "'strip'", id="launch-config-type"),
 ])
 def test_bad_config_names_the_field(make, message):
     with pytest.raises(ValueError) as error:
@@ -657,7 +742,18 @@ FWD, BWD, STRIP = HopperForwardConfig(), HopperBackwardConfig(), StripConfig()
     pytest.param(lambda: Launches(forward=(Launch("strip", (0, 1), STRIP),),
                                   backward=(Launch("strip", (0, 1), STRIP),),
                                   num_heads=2, num_kv_heads=2),
-                 "Launches.backward: the strip lowering has no backward", id="strip-backward"),
+                 "Launches.backward: expected a StripBackwardConfig, got StripConfig",
+                 id="strip-forward-config-backward"),
+    pytest.param(lambda: Launches(forward=(Launch("strip", (0, 1), StripBackwardConfig()),),
+                                  backward=(Launch("triton", (0, 1), TRITON),),
+                                  num_heads=2, num_kv_heads=2),
+                 "Launches.forward: expected a StripConfig, got StripBackwardConfig",
+                 id="strip-backward-config-forward"),
+    pytest.param(lambda: Launches(forward=(Launch("triton", (0, 1), TRITON),),
+                                  backward=(Launch("strip", (0, 1), StripBackwardConfig()),),
+                                  num_heads=2, num_kv_heads=1),
+                 "Launches.backward: the strip lowering needs one kv head per query head, got "
+                 "1 kv heads for 2", id="strip-backward-gqa"),
     pytest.param(lambda: Launches(forward=(Launch("triton", (0, 1, 2, 3), TRITON),),
                                   backward=(Launch("hopper", (0, 1), BWD),
                                             Launch("triton", (2, 3), TRITON)),

@@ -27,10 +27,12 @@ from ls_jax.kernels import ls_attention
 from ls_jax.kernels.band import (kv_block_range, kv_full_block_range, q_block_range,
                                  q_full_block_range)
 from ls_jax.kernels.pallas_gpu import (HopperBackwardConfig, HopperForwardConfig, Launch,
-                                       Launches, StripConfig, TritonConfig, heuristics,
-                                       pallas_gpu_attention, pallas_gpu_attention_parts)
+                                       Launches, StripBackwardConfig, StripConfig,
+                                       TritonConfig, heuristics, pallas_gpu_attention,
+                                       pallas_gpu_attention_parts)
 from ls_jax.kernels.pallas_gpu.common import split_kv_loop, split_q_loop
 from ls_jax.kernels.pallas_gpu.mosaic import backward as mosaic_backward
+from ls_jax.kernels.pallas_gpu.mosaic import strip_backward as strip_backward_module
 from ls_jax.kernels.pallas_gpu.plan import interpreter_consumers, make_plan, program_order
 
 from jitted_reference import reference_attention_parts, reference_vjp  # tests/, beside this file
@@ -297,6 +299,40 @@ def test_hopper_backward_matches_reference(shape, launch):
     check_gradients(shape, launch)
 
 
+def strip_backward(H, heads, config, first=()) -> Launches:
+    return launches(H, H, [("triton", None, TRITON16)],
+                    list(first) + [("strip", heads, config)])
+
+
+STRIP_BACKWARD_CASES = [
+    # two K/V slots; 4 key blocks in sub-strips of 3 and 1 (a program's second pair has one,
+    # its warm-up reaching back into the first's), a window of one block and one past it
+    pytest.param(bf16(1, 256, 2, 2, (64, 50)),
+                 strip_backward(2, None, StripBackwardConfig(sub_blocks=3, kv_slots=2)),
+                 id="two-kv-slots-ragged-sub-strips"),
+    # windows 1 to 65 (bands of one and two query blocks), padded T, two batch elements,
+    # sub-strips of one block: every query block's dQ gathered across a warm-up
+    pytest.param(bf16(2, 200, 4, 4, (1, 7, 64, 65)),
+                 strip_backward(4, None, StripBackwardConfig(sub_blocks=1, kv_slots=2)),
+                 id="windows-1-to-65-one-block-sub-strips"),
+    # a band of three query blocks (one K/V slot, two dQ tiles), into the Hopper backward's
+    # buffers (a global head first)
+    pytest.param(bf16(1, 320, 3, 3, (None, 128, 100)),
+                 strip_backward(3, (1, 2), StripBackwardConfig(sub_blocks=2),
+                                first=[("hopper", (0,), BWD2)]),
+                 id="one-kv-slot-after-a-hopper-launch"),
+    # a sub-strip longer than the sequence: one pair of each program idle
+    pytest.param(bf16(1, 192, 2, 2, (100, 3)),
+                 strip_backward(2, None, StripBackwardConfig(sub_blocks=8)),
+                 id="one-sub-strip-a-row", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("shape,launch", STRIP_BACKWARD_CASES)
+def test_strip_backward_matches_reference(shape, launch):
+    check_gradients(shape, launch)
+
+
 # ---------------------------------------------------------------------------------------------
 # The default launches (interpret mode plans for a Hopper GPU: heuristics.current_gpu)
 
@@ -418,14 +454,22 @@ LOWERING_CASES = [
                  id="d128-every-head-3-consumers-gqa"),
     pytest.param(64, (None,) + (128,) * 15, 16, decided(64, (None,) + (128,) * 15, 32768, 4),
                  id="decided-d64-long-mix"),
+    # the local heads' fused strip backward after the global heads' Hopper one
+    pytest.param(64, (None,) + (50,) * 7, 8, decided(64, (None,) + (50,) * 7, 8192, 4),
+                 id="decided-d64-narrow-mix-strip-backward"),
+    pytest.param(64, (128, 50, 128, 1), 4,
+                 launches(4, 4, [("strip", None, StripConfig(strip_blocks=4))],
+                          [("strip", None, StripBackwardConfig(sub_blocks=3))]),
+                 id="d64-all-local-strips-one-kv-slot"),
 ]
 
 
 @pytest.mark.parametrize("D,windows,kv,chosen", LOWERING_CASES)
 def test_launches_lower_for_the_gpu(D, windows, kv, chosen):
     """Forward and backward of a call, lowered for a Hopper GPU: every launch is one kernel of
-    its lowering (two in the backward: dQ, dK/dV) and nothing else is; a later launch's
-    buffers are aliased to the earlier one's outputs, not copied."""
+    its lowering (two in the backward, dQ and dK/dV, but for the fused strip backward) and
+    nothing else is; a later launch's buffers are aliased to the earlier one's outputs, not
+    copied."""
     H, T = len(windows), 1024
     q = jax.ShapeDtypeStruct((1, T, H, D), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, T, kv, D), jnp.bfloat16)
@@ -440,9 +484,10 @@ def test_launches_lower_for_the_gpu(D, windows, kv, chosen):
     got = {"mosaic": sum(n for c, n in calls.items() if c.startswith("mosaic")),
            "triton": sum(n for c, n in calls.items() if c.endswith("triton"))}
     want = {"mosaic": 0, "triton": 0}
-    for per_launch, passes in ((1, chosen.forward), (2, chosen.backward)):
+    for backward, passes in ((False, chosen.forward), (True, chosen.backward)):
         for launch in passes:
-            want["triton" if launch.lowering == "triton" else "mosaic"] += per_launch
+            kernels = 2 if backward and launch.lowering != "strip" else 1
+            want["triton" if launch.lowering == "triton" else "mosaic"] += kernels
     assert got == want, calls
     # aliased: out, lse2 and statistics of each later forward launch; dq, dk and dv of each
     # later backward launch
@@ -560,6 +605,9 @@ GPU_CASES = [
                        jnp.bfloat16), id="d64-long-mix-strips"),
     pytest.param(Shape(1, 4000, 8, 2, 64, (None, 50, 512, 1, None, 128, 4000, 7),
                        jnp.float16), id="fp16-d64-mix-gqa-padded"),
+    # the local heads' fused strip backward (windows up to 65) beside the global heads'
+    pytest.param(Shape(2, 8192, 8, 8, 64, (None, 64, 1, 50, None, 65, 32, 7), jnp.bfloat16),
+                 id="d64-long-narrow-mix-strip-backward"),
 ]
 
 
@@ -641,6 +689,16 @@ def gpu_variants(shape: Shape) -> dict[str, Launches]:
         variants["strips"] = launches(
             H, G, first + [("strip", local, heuristics.strip_config(case, local))],
             [("hopper", None, heuristics.hopper_backward(case))])
+    if local and H == G and shape.D == 64:  # the fused strip backward, with the K/V slots
+        widest = max(case.windows[h] for h in local)  # its buffers fit
+        kv_slots = 2 if heuristics.strip_backward_fits(case, local) else 1
+        if strip_backward_module.smem_bytes(widest, 64, 2, kv_slots) <= heuristics.SMEM_BYTES:
+            first = [("hopper", glob, heuristics.hopper_backward(case))] if glob else []
+            config = dataclasses.replace(heuristics.strip_backward_config(case, local),
+                                         kv_slots=kv_slots)
+            variants["strip-backward"] = launches(
+                H, G, [("triton", None, heuristics.triton_config(case))],
+                first + [("strip", local, config)])
     return variants
 
 
@@ -652,6 +710,11 @@ GPU_VARIANT_SHAPES = [
     pytest.param(Shape(1, 2900, 8, 8, 128, (None, 50, 512, 1, None, 128, 2900, 7),
                        jnp.bfloat16), id="d128-mix-padded"),
     pytest.param(Shape(2, 2048, 4, 4, 64, (None,) * 4, jnp.bfloat16), id="d64-all-global"),
+    # the fused strip backward with two K/V slots (windows up to 65), and with one
+    pytest.param(Shape(2, 2048, 6, 6, 64, (None, 64, 1, 50, 65, 7), jnp.bfloat16),
+                 id="d64-narrow-mix"),
+    pytest.param(Shape(1, 3000, 4, 4, 64, (128, 50, 100, 1), jnp.bfloat16),
+                 id="d64-all-local-padded"),
 ]
 
 
@@ -699,7 +762,8 @@ def _load_attention_benchmark(monkeypatch):
 
 def test_benchmark_launch_variants(monkeypatch):
     """--launches: "default" leaves the choice to the heuristics, "all-mosaic" puts every
-    Triton launch of a Hopper case on the Mosaic kernels, anything else is refused."""
+    Triton launch of a Hopper case on the Mosaic kernels, "triton-backward" the local heads'
+    strip backward on the Triton kernels; anything else is refused."""
     bench = _load_attention_benchmark(monkeypatch)
     monkeypatch.setattr(heuristics, "current_gpu",
                         lambda interpret=False: heuristics.Gpu(hopper=True, sms=132))
@@ -708,6 +772,14 @@ def test_benchmark_launch_variants(monkeypatch):
     every = bench.choose_launches("all-mosaic", jnp.bfloat16, 64, windows, 8192, 4, 16)
     assert every.forward and every.backward
     assert all(l.lowering != "triton" for l in every.forward + every.backward)
+    narrow = (None,) + (50,) * 15
+    assert [l.lowering for l in bench.choose_launches(
+        "triton-backward", jnp.bfloat16, 64, narrow, 8192, 4, 16).backward] == ["hopper",
+                                                                                 "triton"]
+    assert [l.lowering for l in heuristics.launches(heuristics.Case(
+        dtype=jnp.bfloat16, head_dim=64, windows=narrow, seq_len=8192, batch=4,
+        num_kv_heads=16, has_segments=False, gpu=heuristics.current_gpu())).backward] == [
+        "hopper", "strip"]
     with pytest.raises(ValueError, match="--launches: expected names among"):
         bench.choose_launches("fastest", jnp.bfloat16, 64, windows, 8192, 4, 16)
 

@@ -12,10 +12,11 @@ from ls_jax.kernels.pallas_gpu.configs import (
     HopperForwardConfig,
     Launch,
     Launches,
+    StripBackwardConfig,
     StripConfig,
     TritonConfig,
 )
 
-__all__ = ["HopperBackwardConfig", "HopperForwardConfig", "Launch", "Launches", "StripConfig",
-           "TritonConfig", "pallas_gpu_attention", "pallas_gpu_attention_parts",
+__all__ = ["HopperBackwardConfig", "HopperForwardConfig", "Launch", "Launches",
+           "StripBackwardConfig", "StripConfig", "TritonConfig", "pallas_gpu_attention", "pallas_gpu_attention_parts",
            "pallas_gpu_backend"]

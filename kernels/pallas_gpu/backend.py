@@ -19,7 +19,7 @@ from ls_jax.kernels.band import WindowSizes
 from ls_jax.kernels.pallas_gpu.configs import Launches
 from ls_jax.kernels.pallas_gpu.mosaic import backward as hopper_backward
 from ls_jax.kernels.pallas_gpu.mosaic import forward as hopper_forward
-from ls_jax.kernels.pallas_gpu.mosaic import strip
+from ls_jax.kernels.pallas_gpu.mosaic import strip, strip_backward
 from ls_jax.kernels.pallas_gpu.plan import AttentionPlan, fit_launches, make_plan, padded_head_dim
 from ls_jax.kernels.pallas_gpu.triton import backward as triton_backward
 from ls_jax.kernels.pallas_gpu.triton import forward as triton_forward
@@ -53,6 +53,10 @@ def backward_call(plan: AttentionPlan, q, k, v, segment_ids, do, out, lse2):
                                                 lse2, out=out)
             dkdv = hopper_backward.dkdv_call(plan, launch.config, launch.heads, q, k, v, do,
                                              lse2, delta)
+        elif launch.lowering == "strip":
+            dq, *dkdv = strip_backward.backward_call(
+                plan, launch.config, launch.heads, q, k, v, do, lse2, out,
+                () if dq is None else (dq, *dkdv))
         else:
             dq, delta = triton_backward.dq_call(plan, launch.config, launch.heads, q, k, v,
                                                 segment_ids, do, out, lse2, prefilled=dq)

@@ -2,9 +2,10 @@
 
 A call runs one or more *launches* per pass (forward; backward), each computing a set of query
 heads with one lowering: "triton" (``triton/``, any CUDA GPU), "hopper" (``mosaic/forward.py``
-and ``mosaic/backward.py``, Hopper) or "strip" (``mosaic/strip.py``, the local heads' forward,
-Hopper). ``heuristics.py`` decides them; ``backend.py`` executes them in order, each later
-launch writing its heads into the buffers of the earlier ones.
+and ``mosaic/backward.py``, Hopper) or "strip" (the local heads as strips on Hopper:
+``mosaic/strip.py`` forward, ``mosaic/strip_backward.py`` backward). ``heuristics.py``
+decides them; ``backend.py`` executes them in order, each later launch writing its heads into
+the buffers of the earlier ones.
 """
 
 from __future__ import annotations
@@ -134,16 +135,38 @@ class StripConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class StripBackwardConfig:
+    """The fused strip backward of local heads: each consumer walks ``sub_blocks`` consecutive
+    ``STRIP_BLOCK``-key blocks of one head (after a warm-up over the key blocks before them
+    that reach its first query block), the query side of their bands streamed once; with
+    ``kv_slots=2`` the next key block's K and V load while the current one is computed."""
+
+    sub_blocks: int = 32
+    kv_slots: int = 1
+
+    def __post_init__(self):
+        if not (type(self.sub_blocks) is int and self.sub_blocks >= 1):
+            raise ValueError(f"StripBackwardConfig.sub_blocks: expected an int >= 1, got "
+                             f"{self.sub_blocks!r}")
+        _check_choice("StripBackwardConfig", "kv_slots", self.kv_slots, (1, 2))
+
+    def blocks(self) -> tuple[int, ...]:
+        return (STRIP_BLOCK,)
+
+
+@dataclasses.dataclass(frozen=True)
 class Launch:
     """One kernel launch of a pass: ``lowering`` over the query ``heads`` (sorted, distinct).
 
     config: a TritonConfig for "triton", a HopperForwardConfig (forward) or
-    HopperBackwardConfig (backward) for "hopper", a StripConfig for "strip".
+    HopperBackwardConfig (backward) for "hopper", a StripConfig (forward) or
+    StripBackwardConfig (backward) for "strip".
     """
 
     lowering: str
     heads: tuple[int, ...]
-    config: TritonConfig | HopperForwardConfig | HopperBackwardConfig | StripConfig
+    config: (TritonConfig | HopperForwardConfig | HopperBackwardConfig | StripConfig
+             | StripBackwardConfig)
 
     def __post_init__(self):
         _check_choice("Launch", "lowering", self.lowering, LOWERINGS)
@@ -154,7 +177,7 @@ class Launch:
         object.__setattr__(self, "heads", heads)
         want = {"triton": (TritonConfig,),
                 "hopper": (HopperForwardConfig, HopperBackwardConfig),
-                "strip": (StripConfig,)}[self.lowering]
+                "strip": (StripConfig, StripBackwardConfig)}[self.lowering]
         if not isinstance(self.config, want):
             raise ValueError(f"Launch.config: expected {' or '.join(t.__name__ for t in want)} "
                              f"for lowering {self.lowering!r}, got {self.config!r}")
@@ -168,9 +191,11 @@ class Launches:
     """The launches of a call's forward and of its backward, in execution order.
 
     Checked at construction: each pass covers every one of ``num_heads`` query heads exactly
-    once; a strip launch only in the forward, a Hopper launch first (it writes fresh buffers,
-    the others write into them); a backward split over several launches only with one kv
-    head per query head (dK/dV sums each GQA group in one kernel).
+    once; each launch's config is its pass's (a strip launch takes a ``StripConfig`` in the
+    forward, a ``StripBackwardConfig`` in the backward); a Hopper launch first (it writes
+    fresh buffers, the others write into them); a backward split over several launches, or
+    a strip backward, only with one kv head per query head (dK/dV sums each GQA group in one
+    kernel; the strip backward computes one query head's dK/dV per program).
     """
 
     forward: tuple[Launch, ...]
@@ -191,13 +216,22 @@ class Launches:
                     raise ValueError(f"Launches.{name}: a hopper launch must come first, got "
                                      f"{[l.lowering for l in launches]}")
                 config = launch.config
+                backward = name == "backward"
                 if launch.lowering == "hopper" and isinstance(
-                        config, HopperBackwardConfig) != (name == "backward"):
+                        config, HopperBackwardConfig) != backward:
                     raise ValueError(f"Launches.{name}: expected a Hopper"
-                                     f"{'Backward' if name == 'backward' else 'Forward'}Config, "
+                                     f"{'Backward' if backward else 'Forward'}Config, "
                                      f"got {config!r}")
-        if any(launch.lowering == "strip" for launch in self.backward):
-            raise ValueError("Launches.backward: the strip lowering has no backward")
+                if launch.lowering == "strip" and isinstance(
+                        config, StripBackwardConfig) != backward:
+                    raise ValueError(f"Launches.{name}: expected a "
+                                     f"{'StripBackwardConfig' if backward else 'StripConfig'}, "
+                                     f"got {config!r}")
+        if (any(launch.lowering == "strip" for launch in self.backward)
+                and self.num_kv_heads != self.num_heads):
+            raise ValueError(f"Launches.backward: the strip lowering needs one kv head per "
+                             f"query head, got {self.num_kv_heads} kv heads for "
+                             f"{self.num_heads}")
         if len(self.backward) > 1 and self.num_kv_heads != self.num_heads:
             raise ValueError(f"Launches.backward: several launches need one kv head per query "
                              f"head, got {self.num_kv_heads} kv heads for {self.num_heads}")

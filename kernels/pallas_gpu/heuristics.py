@@ -18,7 +18,8 @@ from ls_jax.kernels.band import cdiv
 from ls_jax.kernels.heads import split_heads
 from ls_jax.kernels.pallas_gpu.configs import (STRIP_BLOCK, HopperBackwardConfig,
                                                HopperForwardConfig, Launch, Launches,
-                                               StripConfig, TritonConfig)
+                                               StripBackwardConfig, StripConfig, TritonConfig)
+from ls_jax.kernels.pallas_gpu.mosaic import strip_backward
 from ls_jax.kernels.pallas_gpu.mosaic.backward import dq_smem_bytes
 from ls_jax.kernels.pallas_gpu.mosaic.strip import strip_smem_bytes
 
@@ -59,6 +60,11 @@ STRIP_MIN_SEQ_LEN = 4096
 STRIP_HEAD_DIM = 64  # three strip consumers' registers hold D=64 tiles; D=128 would spill
 STRIP_CONSUMERS = 3
 MAX_STRIP_BLOCKS = 128  # query blocks per strip
+# The local heads' backward (D=64) as fused strips where, for every local window, the next key
+# block's K and V fit shared memory beside the current ones (windows up to 64: a band of two
+# query blocks); with one K/V slot the fused strips wait for each key block's loads and the
+# Triton kernels are faster.
+STRIP_BACKWARD_KV_SLOTS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +242,26 @@ def strip_config(case: Case, heads: tuple[int, ...]) -> StripConfig:
     return StripConfig(strip_blocks=strip, consumers=STRIP_CONSUMERS)
 
 
+def strip_backward_fits(case: Case, heads: tuple[int, ...]) -> bool:
+    """The fused strip backward takes these local heads: D=64, and buffers with
+    ``STRIP_BACKWARD_KV_SLOTS`` K/V slots for the widest window that fit shared memory with
+    ``SMEM_SPARE`` left."""
+    widest = max(case.windows[h] for h in heads)
+    return (case.head_dim == STRIP_HEAD_DIM and strip_backward.smem_bytes(
+        widest, case.head_dim, jnp.dtype(case.dtype).itemsize, STRIP_BACKWARD_KV_SLOTS)
+        <= SMEM_BYTES - SMEM_SPARE)
+
+
+def strip_backward_config(case: Case, heads: tuple[int, ...]) -> StripBackwardConfig:
+    """Each (head, batch element) row cut into as many sub-strips as keep the programs (two
+    sub-strips each) within one wave of the SMs, at least two a row."""
+    num_blocks = cdiv(case.seq_len, STRIP_BLOCK)
+    batch = case.batch if isinstance(case.batch, int) else 1
+    per_row = max(1, case.gpu.sms // max(batch * len(heads), 1))
+    sub = max(1, cdiv(num_blocks, strip_backward.PAIRS * per_row))
+    return StripBackwardConfig(sub_blocks=sub, kv_slots=STRIP_BACKWARD_KV_SLOTS)
+
+
 def _local_on_hopper_forward(case: Case) -> bool:
     local = case.local_heads()
     return (bool(local) and case.head_dim == LOCAL_HOPPER_BACKWARD_HEAD_DIM
@@ -261,10 +287,11 @@ def forward_launches(case: Case) -> tuple[Launch, ...]:
 
 
 def backward_launches(case: Case) -> tuple[Launch, ...]:
-    """The backward: every head on the Hopper kernels with every head global or at D=128; the
-    global heads on them and the local heads on the Triton kernels in other mixes (one kv
-    head per query head, from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN`` at D <= 64);
-    else every head on the Triton kernels."""
+    """The backward: every head on the Hopper kernels with every head global or at D=128; in
+    other mixes with one kv head per query head, from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN`` at
+    D <= 64, the global heads on them and the local heads as fused strips
+    (``strip_backward_fits``) or on the Triton kernels; else every head on the Triton
+    kernels."""
     everything = tuple(range(case.num_heads))
     triton_all = (Launch("triton", everything, triton_config(case)),)
     if not hopper_runs(case):
@@ -273,10 +300,15 @@ def backward_launches(case: Case) -> tuple[Launch, ...]:
     if not local or case.head_dim == LOCAL_HOPPER_BACKWARD_HEAD_DIM:
         return (Launch("hopper", everything, hopper_backward(case)),)
     short_narrow = case.head_dim <= 64 and case.seq_len < SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
-    if not glob or short_narrow or case.num_kv_heads != case.num_heads:
+    if short_narrow or case.num_kv_heads != case.num_heads:
         return triton_all
-    return (Launch("hopper", glob, hopper_backward(case)),
-            Launch("triton", local, triton_config(case)))
+    if strip_backward_fits(case, local):
+        local_launch = Launch("strip", local, strip_backward_config(case, local))
+    elif glob:
+        local_launch = Launch("triton", local, triton_config(case))
+    else:
+        return triton_all
+    return ((Launch("hopper", glob, hopper_backward(case)),) if glob else ()) + (local_launch,)
 
 
 def launches(case: Case) -> Launches:

@@ -66,7 +66,7 @@ def fit_launches(launches: Launches, seq_len: int, interpret: bool) -> Launches:
         config = launch.config
         if isinstance(config, TritonConfig):
             config = config.fit_to(seq_len)
-        elif interpret:
+        elif interpret and hasattr(config, "consumers"):
             config = dataclasses.replace(config,
                                          consumers=interpreter_consumers(config.consumers))
         return dataclasses.replace(launch, config=config)

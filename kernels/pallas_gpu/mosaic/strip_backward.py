@@ -1,0 +1,316 @@
+"""The local heads' backward for Hopper as fused strips (Mosaic GPU): five products a tile.
+
+The Triton backward runs two kernels (dQ; dK/dV), each recomputing the probabilities and dP:
+seven products a tile, and every Q, K, V and dO block read by both. Here one consumer walks a
+*sub-strip* of consecutive key blocks of one head and batch element, and for each key block j
+and each query block i of its band computes, from one S^T and one dP^T,
+
+    dV_j += P^T dO_i,   dK_j += dS^T Q_i,   dQ_i += dS K_j.
+
+dK_j and dV_j stay in registers while the consumer walks j's band. dQ_i gathers the
+contributions of the key blocks j <= i in a ring of float32 tiles in shared memory: the
+first key block whose band reaches i starts it (its slot holds zeros), the diagonal block
+(j = i) finishes it and writes it out. So that every query block of a sub-strip is whole in
+it, a consumer first walks the key blocks before its sub-strip whose bands reach its first
+query block, for dQ only (the warm-up); the query blocks past the sub-strip get only dK/dV
+contributions (the next sub-strip's warm-up computes their dQ).
+
+A program holds two independent pairs of warpgroups (a consumer and a producer each, on
+adjacent sub-strips): the producer streams the query side (Q, dO, lse2, delta) of its
+consumer's sub-strip through a ring of shared-memory slots once; the consumer loads its own K
+and V blocks, with two slots (``StripBackwardConfig.kv_slots``) the next key block's while it
+computes the current one, with one V as soon as the last dP^T has read it and K after the
+last dQ. Nothing is shared between the pairs, so a consumer's dQ ring needs no other
+warpgroup's order. The products accumulate in the Triton kernels' order (dQ over key blocks,
+dK and dV over query blocks, ascending). delta = rowsum(O * dO) comes from one XLA pass
+before the launch.
+
+Interpret mode (CPU tests) runs it in Pallas' GPU interpreter, where each product is a plain
+dot of the same operands (``ring.mma``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ls_jax.kernels.band import allowed, cdiv, kv_block_range, q_block_range
+from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE
+from ls_jax.kernels.pallas_gpu.configs import STRIP_BLOCK, StripBackwardConfig
+from ls_jax.kernels.pallas_gpu.mosaic.backward import row_delta
+from ls_jax.kernels.pallas_gpu.mosaic.ring import (TILE_TRANSFORMS, launch, mma, produce,
+                                                   program_ids, ring_slot, run_into,
+                                                   selected_heads, tile_iota, zero_tile)
+
+PAIRS = 2  # consumer/producer pairs a program holds (warpgroups 0..1 consume, 2..3 produce)
+# registers per thread of a consumer and of a producer: (2 * 232 + 2 * 24) * 128 = 65536, what
+# a program of four warpgroups launches with
+REGISTERS = (232, 24)
+
+
+def band_blocks(window: int) -> int:
+    """Query blocks whose band reaches one key block (the last key of a block sees queries up
+    to window - 1 rows below it)."""
+    return 1 + (window + STRIP_BLOCK - 2) // STRIP_BLOCK
+
+
+def smem_bytes(window: int, head_dim: int, itemsize: int, kv_slots: int) -> int:
+    """Shared memory of one program: per pair, its K and V blocks (``kv_slots`` of each), the
+    query-side ring (Q, dO tiles, lse2 and delta rows) of ``band_blocks`` slots, the dS^T
+    staging tile and the float32 dQ ring."""
+    tile = STRIP_BLOCK * head_dim * itemsize
+    stages = band_blocks(window)
+    per_pair = (2 * kv_slots * tile + stages * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
+                + max(stages - 1, 1) * STRIP_BLOCK * head_dim * 4)
+    return PAIRS * per_pair
+
+
+def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, scoped,
+            *, heads, windows, sub, stages, dq_slots, kv_slots, seq_len, score_scale, scale,
+            interpret):
+    smem, loaded, (free,) = scoped
+    k_own, v_own, q_ring, do_ring, lse_ring, delta_ring, ds_tile, dq_acc = smem
+    q_loaded, do_loaded, lse_loaded, delta_loaded, kv_loaded = loaded
+    b, h, window, wg = program_ids(heads, windows)
+    pair = lax.rem(wg, jnp.int32(PAIRS))
+    block = STRIP_BLOCK
+    num_blocks = seq_len // block
+    dtype = q_ref.dtype
+    head_dim = q_ref.shape[-1]
+    # the pair's key blocks [first, end); the warm-up's from kv_start; the query stream
+    first = (PAIRS * lax.axis_index("tile") + pair) * sub
+    end = jnp.minimum(first + sub, num_blocks)
+    has_work = first < end
+    kv_start, _ = kv_block_range(first, block, block, window, seq_len)
+    _, last_end = q_block_range(end - 1, block, block, window, seq_len)
+    stream_end = jnp.where(has_work, last_end, first)
+
+    def slot_of(i):
+        return ring_slot(i, first, stages)
+
+    @pl.when(wg < PAIRS)
+    def _consumer():
+        plgpu.set_max_registers(REGISTERS[0], action="increase")
+        c = wg
+        ds = ds_tile.at[c]
+
+        def kv_slot(j):
+            return ring_slot(j, kv_start, kv_slots)
+
+        def barrier(barriers, i):
+            return barriers.at[c * stages + slot_of(i)]
+
+        def kv_barrier(j, n):  # n: 0 for K, 1 for V
+            return kv_loaded.at[(c * kv_slots + kv_slot(j)) * 2 + n]
+
+        def load_k(j):
+            plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(j * block, block), h],
+                                    k_own.at[c, kv_slot(j)], kv_barrier(j, 0))
+
+        def load_v(j):
+            plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(j * block, block), h],
+                                    v_own.at[c, kv_slot(j)], kv_barrier(j, 1))
+
+        def wait_streamed(i, _):
+            for barriers in (q_loaded, do_loaded, lse_loaded, delta_loaded):
+                plgpu.barrier_wait(barrier(barriers, i))
+
+        def release(i, _):
+            plgpu.barrier_arrive(barrier(free, i))
+
+        def stage_ds(value):
+            """``value`` into the staging tile, once its previous contents are out."""
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            ds[...] = value
+            plgpu.commit_smem()
+
+        def step(i, grads, *, j, last, k_tile, v_tile, full: bool):
+            """Query block i against key block j: dK/dV (when ``full``) and i's dQ."""
+            slot = slot_of(i)
+            q_blk, do_blk = q_ring.at[c, slot], do_ring.at[c, slot]
+            # the band rule on query minus key positions (one difference of iotas)
+            gap_KxQ = (tile_iota(block, block, 1) - tile_iota(block, block, 0)
+                       + (i - j) * block)
+            ok_KxQ = allowed(gap_KxQ, 0, window)
+            lse_Q = plgpu.load(lse_ring.at[c, slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            delta_Q = plgpu.load(delta_ring.at[c, slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            dq_slot = dq_acc.at[c, lax.rem(i - first, jnp.int32(dq_slots))]
+
+            def probabilities(sT_KxQ):
+                sT_KxQ = jnp.where(ok_KxQ, sT_KxQ, MASKED_SCORE)
+                return jnp.exp2(sT_KxQ * score_scale
+                                - lax.broadcast_in_dim(lse_Q, sT_KxQ.shape, [1]))
+
+            def score_grads(pT_KxQ, dpT_KxQ):
+                dsT_KxQ = pT_KxQ * (dpT_KxQ - lax.broadcast_in_dim(delta_Q, dpT_KxQ.shape, [1]))
+                return dsT_KxQ.astype(dtype)
+
+            if interpret:  # one product at a time (see ``ring.mma``)
+                pT_KxQ = probabilities(mma(None, k_tile, q_blk, transpose_b=True,
+                                           interpret=True))
+                dpT_KxQ = mma(None, v_tile, do_blk, transpose_b=True, interpret=True)
+                dsT_KxQ = score_grads(pT_KxQ, dpT_KxQ)
+                if full:
+                    dk_KxD, dv_KxD = grads
+                    dv_KxD = mma(dv_KxD, pT_KxQ.astype(dtype), do_blk, transpose_b=False,
+                                 interpret=True)
+                    dk_KxD = mma(dk_KxD, dsT_KxQ, q_blk, transpose_b=False, interpret=True)
+                    grads = dk_KxD, dv_KxD
+                stage_ds(dsT_KxQ)
+                dq_QxD = mma(plgpu.load(dq_slot, layout=plgpu.Layout.WGMMA), dsT_KxQ.T,
+                             k_tile, transpose_b=False, interpret=True)
+            else:  # S^T and dP^T together, dV under dP^T, then dK; dQ once they are done
+                def products(sT_ref, dpT_ref, grad_refs=None):
+                    plgpu.wgmma(sT_ref, k_tile, q_blk.transpose((1, 0)))
+                    plgpu.wgmma(dpT_ref, v_tile, do_blk.transpose((1, 0)))
+                    pT_KxQ = probabilities(plgpu.wgmma_accumulator_load(sT_ref, wait_n=1))
+                    if full:
+                        plgpu.wgmma(grad_refs[1], pT_KxQ.astype(dtype), do_blk)
+                    dpT_KxQ = plgpu.wgmma_accumulator_load(dpT_ref, wait_n=1 if full else 0)
+                    if kv_slots == 1:  # the last read of this V is done
+                        pl.when(jnp.logical_and(i == last, j + 1 < end))(
+                            functools.partial(load_v, j + 1))
+                    dsT_KxQ = score_grads(pT_KxQ, dpT_KxQ)
+                    if full:
+                        plgpu.wgmma(grad_refs[0], dsT_KxQ, q_blk)
+                    stage_ds(dsT_KxQ)
+
+                scores = plgpu.ACC((block, block), jnp.float32)
+                if full:
+                    def accumulate(grad_refs):
+                        pl.run_scoped(functools.partial(products, grad_refs=grad_refs),
+                                      scores, scores)
+
+                    grads = pl.run_state(accumulate)(tuple(map(plgpu.ACC.init, grads)))
+                else:
+                    pl.run_scoped(products, scores, scores)
+
+                # the accumulators of the scores are out of scope: dQ's fits beside dK, dV
+                def accumulate_dq(dq_ref):
+                    plgpu.wgmma(dq_ref, ds.transpose((1, 0)), k_tile)
+
+                dq_QxD = pl.run_state(accumulate_dq)(
+                    plgpu.ACC.init(plgpu.load(dq_slot, layout=plgpu.Layout.WGMMA)))
+
+            @pl.when(jnp.logical_and(i < end, i == j))  # i's last contribution: out
+            def _finish():
+                stage_ds((dq_QxD * scale).astype(dtype))
+                plgpu.copy_smem_to_gmem(ds, dq_ref.at[b, pl.ds(i * block, block), h])
+                dq_slot[...] = zero_tile(block, head_dim)
+
+            @pl.when(jnp.logical_and(i < end, i != j))
+            def _keep():
+                dq_slot[...] = dq_QxD
+
+            pl.when(i == j)(functools.partial(release, i, None))  # j is i's last key block
+            return grads
+
+        def key_block(j, waited, *, full: bool):
+            q_first, q_end = q_block_range(j, block, block, window, seq_len)
+            lax.fori_loop(waited, q_end, wait_streamed, None)
+            plgpu.barrier_wait(kv_barrier(j, 0))
+            plgpu.barrier_wait(kv_barrier(j, 1))
+            if kv_slots > 1:  # the next key block into the other slot, read out before j
+                pl.when(j + 1 < end)(functools.partial(load_k, j + 1))
+                pl.when(j + 1 < end)(functools.partial(load_v, j + 1))
+            zeros = zero_tile(block, head_dim)
+            grads = lax.fori_loop(jnp.maximum(q_first, first), q_end,
+                                  functools.partial(step, j=j, last=q_end - 1, full=full,
+                                                    k_tile=k_own.at[c, kv_slot(j)],
+                                                    v_tile=v_own.at[c, kv_slot(j)]),
+                                  (zeros, zeros))
+            if kv_slots == 1:  # K read out (on the GPU, V's load is issued in the last step)
+                if interpret:
+                    pl.when(j + 1 < end)(functools.partial(load_v, j + 1))
+                pl.when(j + 1 < end)(functools.partial(load_k, j + 1))
+            if full:
+                cols = pl.ds(j * block, block)
+                dk_KxD, dv_KxD = grads
+                stage_ds((dk_KxD * scale).astype(dtype))
+                plgpu.copy_smem_to_gmem(ds, dk_ref.at[b, cols, h])
+                stage_ds(dv_KxD.astype(dtype))
+                plgpu.copy_smem_to_gmem(ds, dv_ref.at[b, cols, h])
+            return jnp.maximum(waited, q_end)
+
+        @pl.when(has_work)
+        def _walk():
+            for s in range(dq_slots):
+                dq_acc.at[c, s][...] = zero_tile(block, head_dim)
+            load_k(kv_start)
+            load_v(kv_start)
+            waited = lax.fori_loop(kv_start, first, functools.partial(key_block, full=False),
+                                   first)
+            lax.fori_loop(first, end, functools.partial(key_block, full=True), waited)
+            # the blocks past the sub-strip: every phase observed, every slot released
+            lax.fori_loop(end, stream_end, release, None)
+            plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg >= PAIRS)
+    def _producer():
+        plgpu.set_max_registers(REGISTERS[1], action="decrease")
+        c = wg - PAIRS
+
+        def load(i, slot):
+            rows = pl.ds(i * block, block)
+            n = c * stages + slot
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_ring.at[c, slot], q_loaded.at[n])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[c, slot],
+                                    do_loaded.at[n])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[c, slot],
+                                    lse_loaded.at[n])
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_ring.at[c, slot],
+                                    delta_loaded.at[n])
+
+        def wait_free(slot):
+            plgpu.barrier_wait(free.at[c * stages + slot])
+
+        pl.when(has_work)(functools.partial(produce, first, stream_end, stages, load,
+                                            wait_free))
+
+
+def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, k, v, do,
+                  lse2, out, prefilled=()):
+    """(dq, dk, dv), each [B, Tp, H, Dp] in q's dtype, for the local ``heads`` (one kv head
+    per query head; their windows' buffers fit shared memory: ``smem_bytes``) on padded
+    inputs (Tp a
+    multiple of ``STRIP_BLOCK``). delta = rowsum(O * dO) of these heads comes from one XLA
+    pass. prefilled: () or the (dq, dk, dv) of earlier launches, into which this one writes
+    its heads' rows (other rows kept); without it the other heads' rows are left unwritten."""
+    B, Tp, H, Dp = q.shape
+    heads, windows = selected_heads(plan, heads)
+    stages = max(band_blocks(w) for w in windows)
+    dq_slots = max(stages - 1, 1)
+    sub, kv_slots = config.sub_blocks, config.kv_slots
+    num_tiles = cdiv(cdiv(Tp // STRIP_BLOCK, sub), PAIRS)
+    tile = plgpu.SMEM((PAIRS, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
+    kv = plgpu.SMEM((PAIRS, kv_slots, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
+    ring = plgpu.SMEM((PAIRS, stages, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
+    rows = plgpu.SMEM((PAIRS, stages, STRIP_BLOCK), jnp.float32)
+    acc = plgpu.SMEM((PAIRS, dq_slots, STRIP_BLOCK, Dp), jnp.float32)
+    static = dict(heads=heads, windows=windows, sub=sub, stages=stages, dq_slots=dq_slots,
+                  kv_slots=kv_slots, seq_len=Tp, score_scale=plan.scale * LOG2_E, scale=plan.scale,
+                  interpret=plan.interpret)
+
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref):
+        pl.run_scoped(
+            lambda *scoped: _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+                                    dk_ref, dv_ref, scoped, **static),
+            [kv, kv, ring, ring, rows, rows, tile, acc],
+            (plgpu.Barrier(num_barriers=PAIRS * stages),) * 4
+            + (plgpu.Barrier(num_barriers=2 * PAIRS * kv_slots),),
+            (plgpu.Barrier(num_arrivals=1, num_barriers=PAIRS * stages),),
+            collective_axes="wg")
+
+    def run(out_type):
+        return launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
+                      interpret=plan.interpret, warpgroups=2 * PAIRS)
+
+    inputs = (q, k, v, do, lse2, row_delta(out, do, heads))
+    if prefilled:  # write into the earlier launches' buffers (aliased, not copied)
+        return tuple(run_into(run(()), inputs, prefilled))
+    return tuple(run([jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3)(*inputs))

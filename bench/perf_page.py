@@ -33,18 +33,16 @@ two agree). Why the kernels are built as they are: [kernel-notes.md](kernel-note
 
 How to read the kernel tables (`bench/attention.py`):
 
-- **Timing**: each sample is the mean of `--batch` back-to-back calls on fresh inputs, a row
-  the median of `--reps` samples after warm-up; milliseconds. bf16, batch 4, 16 query heads,
-  unless a row says otherwise. `--check` compares every row with the reference on the GPU.
-  Compare inside a table: the same kernel moves by a few percent between machines.
-- **Peers**: "comp." is the cuDNN composition, `implementation="cudnn"`: one cuDNN call for the
-  global heads and one with `local_window_size=(p-1, 0)` per local window. "cuDNN" is
+- **Timing**: a sample is the mean of `--batch` back-to-back calls on fresh inputs, a row the
+  median of `--reps` samples after warm-up; ms; bf16, batch 4, 16 query heads unless a row says
+  otherwise. Compare inside a table: a kernel moves by a few percent between machines.
+- **Peers**: "comp." is the cuDNN composition (`implementation="cudnn"`: one cuDNN call for the
+  global heads, one with `local_window_size=(p-1, 0)` per window); "cuDNN" is
   `jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`.
-- **Ratio** = the peer's time over ours: above 1, ours is faster. **% of floor** = the floor's
-  time over ours, the floor being the larger of the band's FLOPs and the bytes that must move
-  at the card's peak rates (`bench/hardware.py`).
-- **Head mixes**: `1g15l` = 1 global + 15 local heads of window p (`2g14l` likewise), `local`
-  every head local, `global` every head global; "with stats" = `return_logit_stats=True`.
+- **Ratio** = the peer's time over ours (above 1, ours is faster). **% of floor** = the floor
+  over ours: the larger of the band's FLOPs and bytes at the card's peaks (`bench/hardware.py`).
+- **Head mixes**: `1g15l` = 1 global + 15 local heads of window p, `local`/`global` every head
+  so; "with stats" = `return_logit_stats=True`; `--check` compares rows with the reference.
 """
 
 SECTIONS = {

@@ -22,6 +22,11 @@ def _check_power_of_two(owner: str, name: str, value, minimum: int):
         raise ValueError(f"{owner}.{name}: expected a power of two >= {minimum}, got {value!r}")
 
 
+def _check_count(owner: str, name: str, value):
+    if not (type(value) is int and value >= 1):
+        raise ValueError(f"{owner}.{name}: expected an int >= 1, got {value!r}")
+
+
 def _check_choice(owner: str, name: str, value, choices):
     if not any(type(value) is type(c) and value == c for c in choices):
         raise ValueError(f"{owner}.{name}: expected one of {tuple(choices)}, got {value!r}")
@@ -125,9 +130,7 @@ class StripConfig:
     consumers: int = 3
 
     def __post_init__(self):
-        if not (type(self.strip_blocks) is int and self.strip_blocks >= 1):
-            raise ValueError(f"StripConfig.strip_blocks: expected an int >= 1, got "
-                             f"{self.strip_blocks!r}")
+        _check_count("StripConfig", "strip_blocks", self.strip_blocks)
         _check_choice("StripConfig", "consumers", self.consumers, (2, 3))
 
     def blocks(self) -> tuple[int, ...]:
@@ -145,9 +148,7 @@ class StripBackwardConfig:
     kv_slots: int = 1
 
     def __post_init__(self):
-        if not (type(self.sub_blocks) is int and self.sub_blocks >= 1):
-            raise ValueError(f"StripBackwardConfig.sub_blocks: expected an int >= 1, got "
-                             f"{self.sub_blocks!r}")
+        _check_count("StripBackwardConfig", "sub_blocks", self.sub_blocks)
         _check_choice("StripBackwardConfig", "kv_slots", self.kv_slots, (1, 2))
 
     def blocks(self) -> tuple[int, ...]:

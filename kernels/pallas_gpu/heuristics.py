@@ -61,7 +61,7 @@ STRIP_HEAD_DIM = 64  # three strip consumers' registers hold D=64 tiles; D=128 w
 STRIP_CONSUMERS = 3
 MAX_STRIP_BLOCKS = 128  # query blocks per strip
 # The local heads' backward (D=64) as fused strips where, for every local window, the next key
-# block's K and V fit shared memory beside the current ones (windows up to 64: a band of two
+# block's K and V fit shared memory beside the current ones (windows up to 65: a band of two
 # query blocks); with one K/V slot the fused strips wait for each key block's loads and the
 # Triton kernels are faster.
 STRIP_BACKWARD_KV_SLOTS = 2

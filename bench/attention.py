@@ -76,7 +76,7 @@ def head_windows(mix: str, num_heads: int, p: int):
     raise ValueError(f"--mix: expected one of {MIXES}, got {mix!r}")
 
 
-LAUNCHES = ("default", "all-mosaic", "triton-backward")
+LAUNCHES = ("default", "all-mosaic", "triton-backward", "one-triton-backward")
 
 
 def all_mosaic(case: heuristics.Case) -> Launches:
@@ -112,6 +112,14 @@ def triton_backward(case: heuristics.Case) -> Launches:
     return dataclasses.replace(launches, backward=backward)
 
 
+def one_triton_backward(case: heuristics.Case) -> Launches:
+    """The heuristics' launches with the whole backward as one Triton launch over every head
+    (what an LS mix below ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN`` runs)."""
+    launches = heuristics.launches(case)
+    every = Launch("triton", tuple(range(case.num_heads)), heuristics.triton_config(case))
+    return dataclasses.replace(launches, backward=(every,))
+
+
 def choose_launches(name: str, dtype, head_dim: int, windows, seq_len: int, batch: int,
                     num_kv_heads: int) -> Launches | None:
     """None (the heuristics' launches, chosen inside the call) or the named variant."""
@@ -123,7 +131,8 @@ def choose_launches(name: str, dtype, head_dim: int, windows, seq_len: int, batc
                            windows=tuple(windows), seq_len=seq_len, batch=batch,
                            num_kv_heads=num_kv_heads, has_segments=False,
                            gpu=heuristics.current_gpu())
-    return all_mosaic(case) if name == "all-mosaic" else triton_backward(case)
+    return {"all-mosaic": all_mosaic, "triton-backward": triton_backward,
+            "one-triton-backward": one_triton_backward}[name](case)
 
 
 def make_input_sets(B, n, H, D, dtype, seed, kv_heads=None):
@@ -369,8 +378,9 @@ def main():
     ap.add_argument("--impl", default="ours,cudnn_ls,cudnn_causal,triton_mha")
     ap.add_argument("--launches", default="default",
                     help=f"ours' launches, comma separated among {LAUNCHES}: the heuristics' "
-                         "choice, every Triton launch replaced by Mosaic GPU ones, or the "
-                         "local heads' strip backward replaced by the Triton kernels")
+                         "choice, every Triton launch replaced by Mosaic GPU ones, the local "
+                         "heads' strip backward replaced by the Triton kernels, or the whole "
+                         "backward as one Triton launch")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=0,

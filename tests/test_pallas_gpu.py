@@ -763,7 +763,8 @@ def _load_attention_benchmark(monkeypatch):
 def test_benchmark_launch_variants(monkeypatch):
     """--launches: "default" leaves the choice to the heuristics, "all-mosaic" puts every
     Triton launch of a Hopper case on the Mosaic kernels, "triton-backward" the local heads'
-    strip backward on the Triton kernels; anything else is refused."""
+    strip backward on the Triton kernels, "one-triton-backward" the whole backward in one
+    Triton launch; anything else is refused."""
     bench = _load_attention_benchmark(monkeypatch)
     monkeypatch.setattr(heuristics, "current_gpu",
                         lambda interpret=False: heuristics.Gpu(hopper=True, sms=132))
@@ -780,6 +781,8 @@ def test_benchmark_launch_variants(monkeypatch):
         dtype=jnp.bfloat16, head_dim=64, windows=narrow, seq_len=8192, batch=4,
         num_kv_heads=16, has_segments=False, gpu=heuristics.current_gpu())).backward] == [
         "hopper", "strip"]
+    one = bench.choose_launches("one-triton-backward", jnp.bfloat16, 64, windows, 8192, 4, 16)
+    assert [(l.lowering, l.heads) for l in one.backward] == [("triton", tuple(range(16)))]
     with pytest.raises(ValueError, match="--launches: expected names among"):
         bench.choose_launches("fastest", jnp.bfloat16, 64, windows, 8192, 4, 16)
 

@@ -73,14 +73,14 @@ def strip_smem(window: int, head_dim: int, itemsize: int, consumers: int) -> int
     return tiles * STRIP_BLOCK * head_dim * itemsize + 2 * consumers * STRIP_BLOCK * 4
 
 
-def strip_backward_smem(window: int, head_dim: int, itemsize: int, kv_slots: int) -> int:
-    """The fused strip backward's buffers, two consumer/producer pairs each: K and V
-    (``kv_slots`` of each), a ring of Q and dO tiles with lse and delta rows (as many slots as
+def strip_backward_smem(window: int, head_dim: int, itemsize: int) -> int:
+    """The fused strip backward's buffers, two consumer/producer pairs each: K and V (two of
+    each: the current key block's and the next one's), a ring of Q and dO tiles with lse and delta rows (as many slots as
     query blocks meet one key block), a dS staging tile and float32 dQ tiles (one fewer than
     the ring's slots, at least one)."""
     tile = STRIP_BLOCK * head_dim * itemsize
     slots = (STRIP_BLOCK - 1 + window - 1) // STRIP_BLOCK + 1  # the key block's last key's band
-    per_pair = (2 * kv_slots * tile + slots * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
+    per_pair = (2 * 2 * tile + slots * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
                 + max(slots - 1, 1) * STRIP_BLOCK * head_dim * 4)
     return 2 * per_pair
 
@@ -277,14 +277,13 @@ def test_strip_backward_only_for_d64_local_heads_whose_buffers_fit():
         want = (hopper_capable(case) and case.head_dim == 64 and bool(local)
                 and case.seq_len >= heuristics.SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
                 and case.num_kv_heads == HEADS
-                and strip_backward_smem(max(case.windows[h] for h in local), 64, itemsize,
-                                        2) <= SMEM_USABLE)
+                and strip_backward_smem(max(case.windows[h] for h in local), 64,
+                                        itemsize) <= SMEM_USABLE)
         strips = [l for l in launches.backward if l.lowering == "strip"]
         assert bool(strips) == want, describe(case)
         if strips:
             count += 1
             assert strips[0].heads == local and launches.backward[-1] is strips[0]
-            assert strips[0].config.kv_slots == 2, describe(case)
             if case.global_heads():
                 assert lowerings(launches.backward)[0] == ("hopper", case.global_heads())
     assert count > 0
@@ -292,10 +291,10 @@ def test_strip_backward_only_for_d64_local_heads_whose_buffers_fit():
 
 def test_strip_backward_smem_bytes_counts_its_buffers():
     """``strip_backward.smem_bytes`` (what ``strip_backward_fits`` decides by) is the kernel's
-    buffers as counted here, for windows 1 to 300 and both K/V slot counts."""
-    for window, kv_slots in itertools.product(range(1, 300), (1, 2)):
-        assert strip_backward.smem_bytes(window, 64, 2, kv_slots) == strip_backward_smem(
-            window, 64, 2, kv_slots), (window, kv_slots)
+    buffers as counted here, for windows 1 to 300."""
+    for window in range(1, 300):
+        assert strip_backward.smem_bytes(window, 64, 2) == strip_backward_smem(window, 64, 2), \
+            window
 
 
 def test_strip_backward_window_limit():
@@ -690,9 +689,6 @@ def test_current_gpu_is_the_abstract_meshs_gpu(kind, hopper):
     pytest.param(lambda: StripBackwardConfig(sub_blocks=0),
                  "StripBackwardConfig.sub_blocks: expected an int >= 1, got 0",
                  id="strip-backward-sub-blocks"),
-    pytest.param(lambda: StripBackwardConfig(kv_slots=3),
-                 "StripBackwardConfig.kv_slots: expected one of (1, 2), got 3",
-                 id="strip-backward-kv-slots"),
     pytest.param(lambda: Launch("strip", (0,), HopperForwardConfig()),
                  "Launch.config: expected StripConfig or StripBackwardConfig for lowering "
                  "'strip'", id="launch-config-type"),

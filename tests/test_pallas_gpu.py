@@ -32,7 +32,6 @@ from ls_jax.kernels.pallas_gpu import (HopperBackwardConfig, HopperForwardConfig
                                        pallas_gpu_attention_parts)
 from ls_jax.kernels.pallas_gpu.common import split_kv_loop, split_q_loop
 from ls_jax.kernels.pallas_gpu.mosaic import backward as mosaic_backward
-from ls_jax.kernels.pallas_gpu.mosaic import strip_backward as strip_backward_module
 from ls_jax.kernels.pallas_gpu.plan import interpreter_consumers, make_plan, program_order
 
 from jitted_reference import reference_attention_parts, reference_vjp  # tests/, beside this file
@@ -305,22 +304,22 @@ def strip_backward(H, heads, config, first=()) -> Launches:
 
 
 STRIP_BACKWARD_CASES = [
-    # two K/V slots; 4 key blocks in sub-strips of 3 and 1 (a program's second pair has one,
-    # its warm-up reaching back into the first's), a window of one block and one past it
+    # 4 key blocks in sub-strips of 3 and 1 (a program's second pair has one, its warm-up
+    # reaching back into the first's), a window of one block and one past it
     pytest.param(bf16(1, 256, 2, 2, (64, 50)),
-                 strip_backward(2, None, StripBackwardConfig(sub_blocks=3, kv_slots=2)),
-                 id="two-kv-slots-ragged-sub-strips"),
+                 strip_backward(2, None, StripBackwardConfig(sub_blocks=3)),
+                 id="ragged-sub-strips"),
     # windows 1 to 65 (bands of one and two query blocks), padded T, two batch elements,
     # sub-strips of one block: every query block's dQ gathered across a warm-up
     pytest.param(bf16(2, 200, 4, 4, (1, 7, 64, 65)),
-                 strip_backward(4, None, StripBackwardConfig(sub_blocks=1, kv_slots=2)),
+                 strip_backward(4, None, StripBackwardConfig(sub_blocks=1)),
                  id="windows-1-to-65-one-block-sub-strips"),
-    # a band of three query blocks (one K/V slot, two dQ tiles), into the Hopper backward's
-    # buffers (a global head first)
+    # a band of three query blocks (two dQ tiles; in the interpreter, which has shared memory
+    # for it), into the Hopper backward's buffers (a global head first)
     pytest.param(bf16(1, 320, 3, 3, (None, 128, 100)),
                  strip_backward(3, (1, 2), StripBackwardConfig(sub_blocks=2),
                                 first=[("hopper", (0,), BWD2)]),
-                 id="one-kv-slot-after-a-hopper-launch"),
+                 id="three-block-band-after-a-hopper-launch"),
     # a sub-strip longer than the sequence: one pair of each program idle
     pytest.param(bf16(1, 192, 2, 2, (100, 3)),
                  strip_backward(2, None, StripBackwardConfig(sub_blocks=8)),
@@ -457,10 +456,10 @@ LOWERING_CASES = [
     # the local heads' fused strip backward after the global heads' Hopper one
     pytest.param(64, (None,) + (50,) * 7, 8, decided(64, (None,) + (50,) * 7, 8192, 4),
                  id="decided-d64-narrow-mix-strip-backward"),
-    pytest.param(64, (128, 50, 128, 1), 4,
+    pytest.param(64, (64, 50, 65, 1), 4,
                  launches(4, 4, [("strip", None, StripConfig(strip_blocks=4))],
                           [("strip", None, StripBackwardConfig(sub_blocks=3))]),
-                 id="d64-all-local-strips-one-kv-slot"),
+                 id="d64-all-local-strips"),
 ]
 
 
@@ -666,7 +665,8 @@ def test_gpu_default_launches_match_reference(shape):
 def gpu_variants(shape: Shape) -> dict[str, Launches]:
     """Named launches for a shape on this GPU: the heuristics', every head on Triton, and where
     the Hopper kernels run every head on them with 2 and with 3 consumers (delta in the dQ
-    kernel where it fits), the local heads as strips (D=64, windows whose ring fits)."""
+    kernel where it fits), the local heads as strips (D=64, windows whose ring fits), and their
+    backward as fused strips where its buffers fit (one kv head per query head)."""
     gpu = heuristics.current_gpu()
     case = heuristics.Case(dtype=shape.dtype, head_dim=shape.D, windows=shape.windows,
                            seq_len=shape.T, batch=shape.B, num_kv_heads=shape.G,
@@ -689,16 +689,11 @@ def gpu_variants(shape: Shape) -> dict[str, Launches]:
         variants["strips"] = launches(
             H, G, first + [("strip", local, heuristics.strip_config(case, local))],
             [("hopper", None, heuristics.hopper_backward(case))])
-    if local and H == G and shape.D == 64:  # the fused strip backward, with the K/V slots
-        widest = max(case.windows[h] for h in local)  # its buffers fit
-        kv_slots = 2 if heuristics.strip_backward_fits(case, local) else 1
-        if strip_backward_module.smem_bytes(widest, 64, 2, kv_slots) <= heuristics.SMEM_BYTES:
-            first = [("hopper", glob, heuristics.hopper_backward(case))] if glob else []
-            config = dataclasses.replace(heuristics.strip_backward_config(case, local),
-                                         kv_slots=kv_slots)
-            variants["strip-backward"] = launches(
-                H, G, [("triton", None, heuristics.triton_config(case))],
-                first + [("strip", local, config)])
+    if local and H == G and heuristics.strip_backward_fits(case, local):
+        first = [("hopper", glob, heuristics.hopper_backward(case))] if glob else []
+        variants["strip-backward"] = launches(
+            H, G, [("triton", None, heuristics.triton_config(case))],
+            first + [("strip", local, heuristics.strip_backward_config(case, local))])
     return variants
 
 
@@ -710,10 +705,10 @@ GPU_VARIANT_SHAPES = [
     pytest.param(Shape(1, 2900, 8, 8, 128, (None, 50, 512, 1, None, 128, 2900, 7),
                        jnp.bfloat16), id="d128-mix-padded"),
     pytest.param(Shape(2, 2048, 4, 4, 64, (None,) * 4, jnp.bfloat16), id="d64-all-global"),
-    # the fused strip backward with two K/V slots (windows up to 65), and with one
+    # the fused strip backward (windows up to 65), beside global heads and every head local
     pytest.param(Shape(2, 2048, 6, 6, 64, (None, 64, 1, 50, 65, 7), jnp.bfloat16),
                  id="d64-narrow-mix"),
-    pytest.param(Shape(1, 3000, 4, 4, 64, (128, 50, 100, 1), jnp.bfloat16),
+    pytest.param(Shape(1, 3000, 4, 4, 64, (32, 50, 65, 1), jnp.bfloat16),
                  id="d64-all-local-padded"),
 ]
 

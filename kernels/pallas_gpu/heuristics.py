@@ -60,11 +60,6 @@ STRIP_MIN_SEQ_LEN = 4096
 STRIP_HEAD_DIM = 64  # three strip consumers' registers hold D=64 tiles; D=128 would spill
 STRIP_CONSUMERS = 3
 MAX_STRIP_BLOCKS = 128  # query blocks per strip
-# The local heads' backward (D=64) as fused strips where, for every local window, the next key
-# block's K and V fit shared memory beside the current ones (windows up to 65: a band of two
-# query blocks); with one K/V slot the fused strips wait for each key block's loads and the
-# Triton kernels are faster.
-STRIP_BACKWARD_KV_SLOTS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,13 +238,14 @@ def strip_config(case: Case, heads: tuple[int, ...]) -> StripConfig:
 
 
 def strip_backward_fits(case: Case, heads: tuple[int, ...]) -> bool:
-    """The fused strip backward takes these local heads: D=64, and buffers with
-    ``STRIP_BACKWARD_KV_SLOTS`` K/V slots for the widest window that fit shared memory with
-    ``SMEM_SPARE`` left."""
+    """The fused strip backward takes these local heads: D=64, and buffers for the widest
+    window (two K/V slots among them: the next key block's loads under the current one) that
+    fit shared memory with ``SMEM_SPARE`` left; that is windows up to 65, a band of two query
+    blocks. Wider bands leave no room for the second slot, and the strips with one, waiting on
+    each key block's loads, are slower than the Triton kernels."""
     widest = max(case.windows[h] for h in heads)
     return (case.head_dim == STRIP_HEAD_DIM and strip_backward.smem_bytes(
-        widest, case.head_dim, jnp.dtype(case.dtype).itemsize, STRIP_BACKWARD_KV_SLOTS)
-        <= SMEM_BYTES - SMEM_SPARE)
+        widest, case.head_dim, jnp.dtype(case.dtype).itemsize) <= SMEM_BYTES - SMEM_SPARE)
 
 
 def strip_backward_config(case: Case, heads: tuple[int, ...]) -> StripBackwardConfig:
@@ -259,7 +255,7 @@ def strip_backward_config(case: Case, heads: tuple[int, ...]) -> StripBackwardCo
     batch = case.batch if isinstance(case.batch, int) else 1
     per_row = max(1, case.gpu.sms // max(batch * len(heads), 1))
     sub = max(1, cdiv(num_blocks, strip_backward.PAIRS * per_row))
-    return StripBackwardConfig(sub_blocks=sub, kv_slots=STRIP_BACKWARD_KV_SLOTS)
+    return StripBackwardConfig(sub_blocks=sub)
 
 
 def _local_on_hopper_forward(case: Case) -> bool:

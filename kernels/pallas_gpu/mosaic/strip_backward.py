@@ -18,9 +18,9 @@ contributions (the next sub-strip's warm-up computes their dQ).
 A program holds two independent pairs of warpgroups (a consumer and a producer each, on
 adjacent sub-strips): the producer streams the query side (Q, dO, lse2, delta) of its
 consumer's sub-strip through a ring of shared-memory slots once; the consumer loads its own K
-and V blocks, with two slots (``StripBackwardConfig.kv_slots``) the next key block's while it
-computes the current one, with one V as soon as the last dP^T has read it and K after the
-last dQ. Nothing is shared between the pairs, so a consumer's dQ ring needs no other
+and V blocks into two slots, the next key block's while it computes the current one (with one
+slot it would wait on each key block's loads). Nothing is shared between the pairs, so a
+consumer's dQ ring needs no other
 warpgroup's order. The products accumulate in the Triton kernels' order (dQ over key blocks,
 dK and dV over query blocks, ascending). delta = rowsum(O * dO) comes from one XLA pass
 before the launch.
@@ -51,6 +51,7 @@ PAIRS = 2  # consumer/producer pairs a program holds (warpgroups 0..1 consume, 2
 # registers per thread of a consumer and of a producer: (2 * 232 + 2 * 24) * 128 = 65536, what
 # a program of four warpgroups launches with
 REGISTERS = (232, 24)
+KV_SLOTS = 2  # K/V blocks of a consumer: the current key block's and the next one's
 
 
 def band_blocks(window: int) -> int:
@@ -59,19 +60,19 @@ def band_blocks(window: int) -> int:
     return 1 + (window + STRIP_BLOCK - 2) // STRIP_BLOCK
 
 
-def smem_bytes(window: int, head_dim: int, itemsize: int, kv_slots: int) -> int:
-    """Shared memory of one program: per pair, its K and V blocks (``kv_slots`` of each), the
+def smem_bytes(window: int, head_dim: int, itemsize: int) -> int:
+    """Shared memory of one program: per pair, its K and V blocks (``KV_SLOTS`` of each), the
     query-side ring (Q, dO tiles, lse2 and delta rows) of ``band_blocks`` slots, the dS^T
     staging tile and the float32 dQ ring."""
     tile = STRIP_BLOCK * head_dim * itemsize
     stages = band_blocks(window)
-    per_pair = (2 * kv_slots * tile + stages * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
+    per_pair = (2 * KV_SLOTS * tile + stages * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
                 + max(stages - 1, 1) * STRIP_BLOCK * head_dim * 4)
     return PAIRS * per_pair
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, scoped,
-            *, heads, windows, sub, stages, dq_slots, kv_slots, seq_len, score_scale, scale,
+            *, heads, windows, sub, stages, dq_slots, seq_len, score_scale, scale,
             interpret):
     smem, loaded, (free,) = scoped
     k_own, v_own, q_ring, do_ring, lse_ring, delta_ring, ds_tile, dq_acc = smem
@@ -100,13 +101,13 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
         ds = ds_tile.at[c]
 
         def kv_slot(j):
-            return ring_slot(j, kv_start, kv_slots)
+            return ring_slot(j, kv_start, KV_SLOTS)
 
         def barrier(barriers, i):
             return barriers.at[c * stages + slot_of(i)]
 
         def kv_barrier(j, n):  # n: 0 for K, 1 for V
-            return kv_loaded.at[(c * kv_slots + kv_slot(j)) * 2 + n]
+            return kv_loaded.at[(c * KV_SLOTS + kv_slot(j)) * 2 + n]
 
         def load_k(j):
             plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(j * block, block), h],
@@ -129,7 +130,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
             ds[...] = value
             plgpu.commit_smem()
 
-        def step(i, grads, *, j, last, k_tile, v_tile, full: bool):
+        def step(i, grads, *, j, k_tile, v_tile, full: bool):
             """Query block i against key block j: dK/dV (when ``full``) and i's dQ."""
             slot = slot_of(i)
             q_blk, do_blk = q_ring.at[c, slot], do_ring.at[c, slot]
@@ -172,9 +173,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
                     if full:
                         plgpu.wgmma(grad_refs[1], pT_KxQ.astype(dtype), do_blk)
                     dpT_KxQ = plgpu.wgmma_accumulator_load(dpT_ref, wait_n=1 if full else 0)
-                    if kv_slots == 1:  # the last read of this V is done
-                        pl.when(jnp.logical_and(i == last, j + 1 < end))(
-                            functools.partial(load_v, j + 1))
                     dsT_KxQ = score_grads(pT_KxQ, dpT_KxQ)
                     if full:
                         plgpu.wgmma(grad_refs[0], dsT_KxQ, q_blk)
@@ -215,19 +213,15 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
             lax.fori_loop(waited, q_end, wait_streamed, None)
             plgpu.barrier_wait(kv_barrier(j, 0))
             plgpu.barrier_wait(kv_barrier(j, 1))
-            if kv_slots > 1:  # the next key block into the other slot, read out before j
-                pl.when(j + 1 < end)(functools.partial(load_k, j + 1))
-                pl.when(j + 1 < end)(functools.partial(load_v, j + 1))
+            # the next key block into the other slot, read out before j
+            pl.when(j + 1 < end)(functools.partial(load_k, j + 1))
+            pl.when(j + 1 < end)(functools.partial(load_v, j + 1))
             zeros = zero_tile(block, head_dim)
             grads = lax.fori_loop(jnp.maximum(q_first, first), q_end,
-                                  functools.partial(step, j=j, last=q_end - 1, full=full,
+                                  functools.partial(step, j=j, full=full,
                                                     k_tile=k_own.at[c, kv_slot(j)],
                                                     v_tile=v_own.at[c, kv_slot(j)]),
                                   (zeros, zeros))
-            if kv_slots == 1:  # K read out (on the GPU, V's load is issued in the last step)
-                if interpret:
-                    pl.when(j + 1 < end)(functools.partial(load_v, j + 1))
-                pl.when(j + 1 < end)(functools.partial(load_k, j + 1))
             if full:
                 cols = pl.ds(j * block, block)
                 dk_KxD, dv_KxD = grads
@@ -285,15 +279,15 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
     heads, windows = selected_heads(plan, heads)
     stages = max(band_blocks(w) for w in windows)
     dq_slots = max(stages - 1, 1)
-    sub, kv_slots = config.sub_blocks, config.kv_slots
+    sub = config.sub_blocks
     num_tiles = cdiv(cdiv(Tp // STRIP_BLOCK, sub), PAIRS)
     tile = plgpu.SMEM((PAIRS, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
-    kv = plgpu.SMEM((PAIRS, kv_slots, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
+    kv = plgpu.SMEM((PAIRS, KV_SLOTS, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
     ring = plgpu.SMEM((PAIRS, stages, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
     rows = plgpu.SMEM((PAIRS, stages, STRIP_BLOCK), jnp.float32)
     acc = plgpu.SMEM((PAIRS, dq_slots, STRIP_BLOCK, Dp), jnp.float32)
     static = dict(heads=heads, windows=windows, sub=sub, stages=stages, dq_slots=dq_slots,
-                  kv_slots=kv_slots, seq_len=Tp, score_scale=plan.scale * LOG2_E, scale=plan.scale,
+                  seq_len=Tp, score_scale=plan.scale * LOG2_E, scale=plan.scale,
                   interpret=plan.interpret)
 
     def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref):
@@ -302,7 +296,7 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
                                     dk_ref, dv_ref, scoped, **static),
             [kv, kv, ring, ring, rows, rows, tile, acc],
             (plgpu.Barrier(num_barriers=PAIRS * stages),) * 4
-            + (plgpu.Barrier(num_barriers=2 * PAIRS * kv_slots),),
+            + (plgpu.Barrier(num_barriers=2 * PAIRS * KV_SLOTS),),
             (plgpu.Barrier(num_arrivals=1, num_barriers=PAIRS * stages),),
             collective_axes="wg")
 

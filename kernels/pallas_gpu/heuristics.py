@@ -167,12 +167,23 @@ def triton_config(case: Case) -> TritonConfig:
     return TritonConfig()
 
 
-def _tile_programs(case: Case, num_heads: int, rows: int) -> int:
-    """Programs of a launch over ``num_heads`` heads in tiles of ``rows`` query rows; a
-    symbolic batch (``jax.export``) counts as its least value, 1, so that a program exported
-    once for every batch is planned for the smallest."""
+def _head_rows(case: Case, num_heads: int) -> int:
+    """(head, batch element) rows of a launch over ``num_heads`` heads; a symbolic batch
+    (``jax.export``) counts as its least value, 1, so that a program exported once for every
+    batch is planned for the smallest."""
     batch = case.batch if isinstance(case.batch, int) else 1
-    return batch * num_heads * cdiv(case.seq_len, rows)
+    return batch * num_heads
+
+
+def _tile_programs(case: Case, num_heads: int, rows: int) -> int:
+    """Programs of a launch over ``num_heads`` heads in tiles of ``rows`` query rows."""
+    return _head_rows(case, num_heads) * cdiv(case.seq_len, rows)
+
+
+def _programs_per_row(case: Case, heads: tuple[int, ...]) -> int:
+    """Programs each (head, batch element) row of a strip launch over ``heads`` may take while
+    the launch stays within one wave of the SMs (at least one)."""
+    return max(1, case.gpu.sms // max(_head_rows(case, len(heads)), 1))
 
 
 def hopper_forward(case: Case, heads: tuple[int, ...]) -> HopperForwardConfig:
@@ -232,8 +243,7 @@ def strip_config(case: Case, heads: tuple[int, ...]) -> StripConfig:
     wave of the SMs (at least one strip a row), at most ``MAX_STRIP_BLOCKS`` blocks each: a
     longer strip reads each key/value block fewer times."""
     num_blocks = cdiv(case.seq_len, STRIP_BLOCK)
-    per_row = max(1, case.gpu.sms // max(case.batch * len(heads), 1))
-    strip = max(1, min(MAX_STRIP_BLOCKS, cdiv(num_blocks, per_row)))
+    strip = max(1, min(MAX_STRIP_BLOCKS, cdiv(num_blocks, _programs_per_row(case, heads))))
     return StripConfig(strip_blocks=strip, consumers=STRIP_CONSUMERS)
 
 
@@ -252,9 +262,7 @@ def strip_backward_config(case: Case, heads: tuple[int, ...]) -> StripBackwardCo
     """Each (head, batch element) row cut into as many sub-strips as keep the programs (two
     sub-strips each) within one wave of the SMs, at least two a row."""
     num_blocks = cdiv(case.seq_len, STRIP_BLOCK)
-    batch = case.batch if isinstance(case.batch, int) else 1
-    per_row = max(1, case.gpu.sms // max(batch * len(heads), 1))
-    sub = max(1, cdiv(num_blocks, strip_backward.PAIRS * per_row))
+    sub = max(1, cdiv(num_blocks, strip_backward.PAIRS * _programs_per_row(case, heads)))
     return StripBackwardConfig(sub_blocks=sub)
 
 

@@ -3,10 +3,10 @@
 Invariants are checked over a grid of cases (head size, length, batch, mixes of global and
 local heads, GQA, windows, dtype, segment ids, GPU): every head covered once in each pass, the
 Hopper kernels where they can run and Triton where they cannot, strips (forward and backward)
-only where their buffers fit, shared memory and registers within the hardware's limits, padding to whole blocks. The
-thresholds are tested by the switch they cause (a case on either side of the named constant),
-never restated. Shared memory is counted here from each kernel's buffers, independently of
-the heuristics' own counts.
+only where their buffers fit, shared memory and registers within the hardware's limits,
+padding to whole blocks. The thresholds are tested by the switch they cause (a case on either
+side of the named constant), never restated. Shared memory is counted here from each kernel's
+buffers, independently of the heuristics' own counts.
 """
 
 from __future__ import annotations
@@ -75,9 +75,9 @@ def strip_smem(window: int, head_dim: int, itemsize: int, consumers: int) -> int
 
 def strip_backward_smem(window: int, head_dim: int, itemsize: int) -> int:
     """The fused strip backward's buffers, two consumer/producer pairs each: K and V (two of
-    each: the current key block's and the next one's), a ring of Q and dO tiles with lse and delta rows (as many slots as
-    query blocks meet one key block), a dS staging tile and float32 dQ tiles (one fewer than
-    the ring's slots, at least one)."""
+    each: the current key block's and the next one's), a ring of Q and dO tiles with lse and
+    delta rows (as many slots as query blocks meet one key block), a dS staging tile and
+    float32 dQ tiles (one fewer than the ring's slots, at least one)."""
     tile = STRIP_BLOCK * head_dim * itemsize
     slots = (STRIP_BLOCK - 1 + window - 1) // STRIP_BLOCK + 1  # the key block's last key's band
     per_pair = (2 * 2 * tile + slots * (2 * tile + 2 * STRIP_BLOCK * 4) + tile

@@ -18,5 +18,5 @@ from ls_jax.kernels.pallas_gpu.configs import (
 )
 
 __all__ = ["HopperBackwardConfig", "HopperForwardConfig", "Launch", "Launches",
-           "StripBackwardConfig", "StripConfig", "TritonConfig", "pallas_gpu_attention", "pallas_gpu_attention_parts",
-           "pallas_gpu_backend"]
+           "StripBackwardConfig", "StripConfig", "TritonConfig", "pallas_gpu_attention",
+           "pallas_gpu_attention_parts", "pallas_gpu_backend"]

@@ -19,9 +19,10 @@ Rows per (D, n):
 
 Timing: inputs are fresh normal bf16 arrays (never zeros), rotated among several sets when
 one set is small enough to sit in L2; each sample is the mean of ``--batch`` back-to-back calls
-(so host dispatch overlaps device work), and the table shows the median of ``--reps`` samples
-after ``--warmup`` calls. Each row is also printed as a JSON line when measured, and a sweep
-ended by SIGTERM (e.g. ``timeout``) or Ctrl-C prints the table of the rows it has, then exits 1.
+(so host dispatch overlaps device work), or of more where those last under ``MIN_SAMPLE_S``,
+and the table shows the median of ``--reps`` samples after ``--warmup`` calls. Each row is also
+printed as a JSON line when measured, and a sweep ended by SIGTERM (e.g. ``timeout``) or Ctrl-C
+prints the table of the rows it has, then exits 1.
 
 Examples:
   python bench/attention.py --d 64 --n 8192 --p 128 --mix 1g15l,global,local
@@ -41,6 +42,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -149,16 +151,24 @@ def make_input_sets(B, n, H, D, dtype, seed, kv_heads=None):
     return sets
 
 
+# A sample lasts at least this long, so that its fixed host cost (the first call's dispatch and
+# the final wait) stays small beside the calls it averages.
+MIN_SAMPLE_S = 0.02
+
+
 def time_ms(fn, input_sets, reps: int, warmup: int, batch: int) -> float:
+    """Median over ``reps`` samples of ms a call, after ``warmup`` calls. A sample is the mean of
+    ``batch`` back-to-back calls, or of more where ``batch`` calls last under ``MIN_SAMPLE_S``."""
+    def sample(first: int, calls: int) -> float:
+        t0 = time.perf_counter()
+        outs = [fn(*input_sets[(first + i) % len(input_sets)]) for i in range(calls)]
+        jax.block_until_ready(outs)
+        return (time.perf_counter() - t0) / calls
+
     for i in range(warmup):
         jax.block_until_ready(fn(*input_sets[i % len(input_sets)]))
-    samples = []
-    for r in range(reps):
-        t0 = time.perf_counter()
-        outs = [fn(*input_sets[(r * batch + i) % len(input_sets)]) for i in range(batch)]
-        jax.block_until_ready(outs)
-        samples.append((time.perf_counter() - t0) / batch)
-    return 1e3 * float(np.median(samples))
+    calls = max(batch, math.ceil(MIN_SAMPLE_S / sample(0, batch)))
+    return 1e3 * float(np.median([sample(r * calls, calls) for r in range(reps)]))
 
 
 def attention_fns(impl: str, windows, D: int, launches: Launches | None):
@@ -325,7 +335,7 @@ def print_table(rows, args):
     device = jax.devices()[0].device_kind
     print(f"\n## {device}, {datetime.date.today()}, jax {jax.__version__}, bf16, "
           f"B={args.batch_size} Hq={args.heads} Hkv={args.kv_heads or args.heads}, "
-          f"median of {args.reps} samples x {args.batch} calls")
+          f"median of {args.reps} samples x >= {args.batch} calls")
     print("| D | n | p | heads | impl | fwd ms | fwd TF/s | fwd % floor | f+b ms | f+b TF/s | "
           "f+b % floor | note |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

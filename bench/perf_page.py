@@ -33,9 +33,9 @@ two agree). Why the kernels are built as they are: [kernel-notes.md](kernel-note
 
 How to read the kernel tables (`bench/attention.py`):
 
-- **Timing**: a sample is the mean of `--batch` back-to-back calls on fresh inputs, a row the
-  median of `--reps` samples after warm-up; ms; bf16, batch 4, 16 query heads unless a row says
-  otherwise. Compare inside a table: a kernel moves by a few percent between machines.
+- **Timing**: a sample is the mean of `--batch` back-to-back calls on fresh inputs (more if they
+  last under 20 ms), a row the median of `--reps` samples after warm-up; ms; bf16, batch 4, 16
+  query heads unless a row says otherwise. Compare inside a table, not across machines.
 - **Peers**: "comp." is the cuDNN composition (`implementation="cudnn"`: one cuDNN call for the
   global heads, one with `local_window_size=(p-1, 0)` per window); "cuDNN" is
   `jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`.

@@ -400,7 +400,7 @@ def dq_call(plan, config: HopperBackwardConfig, heads: tuple[int, ...], q, k, v,
     dq_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
     out_type = [dq_type, jax.ShapeDtypeStruct((B, H, Tp), jnp.float32)] if in_kernel else dq_type
     run = launch(entry, out_type, num_heads=len(static["heads"]), num_tiles=num_tiles,
-                 batch=B, interpret=plan.interpret, consumers=consumers)
+                 batch=B, interpret=plan.interpret, warpgroups=consumers + 1)
     if in_kernel:
         return tuple(run(q, k, v, do, lse2, out))
     delta = row_delta(out, do, heads)
@@ -456,4 +456,4 @@ def dkdv_call(plan, config: HopperBackwardConfig, heads: tuple[int, ...], q, k, 
     shape = jax.ShapeDtypeStruct((B, Tp, G, Dp), k.dtype)
     return tuple(launch(entry, [shape, shape], num_heads=G if group_sum else len(heads),
                         num_tiles=num_tiles, batch=B, interpret=plan.interpret,
-                        consumers=consumers)(q, k, v, do, lse2, delta))
+                        warpgroups=consumers + 1)(q, k, v, do, lse2, delta))

@@ -206,5 +206,5 @@ def forward_call(plan, config: HopperForwardConfig, heads: tuple[int, ...], q, k
     if with_stats:
         out_type.append(jax.ShapeDtypeStruct((B, H, Tp), jnp.float32))
     outs = launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
-                  interpret=interpret, consumers=consumers)(q, k, v)
+                  interpret=interpret, warpgroups=consumers + 1)(q, k, v)
     return outs[0], outs[1], outs[2] if with_stats else None

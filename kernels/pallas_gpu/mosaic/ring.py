@@ -60,10 +60,9 @@ def selected_heads(plan, heads: tuple[int, ...]):
 
 
 def launch(body, out_type, *, num_heads: int, num_tiles: int, batch: int, interpret: bool,
-           consumers: int | None = None, warpgroups: int | None = None):
+           warpgroups: int):
     """``plgpu.kernel`` over the grid (head, tile, batch) with ``warpgroups`` warpgroups "wg"
-    (default: the ``consumers`` and one producer), in Pallas' GPU interpreter when
-    ``interpret``."""
+    (consumers and producers), in Pallas' GPU interpreter when ``interpret``."""
     extra = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -71,7 +70,7 @@ def launch(body, out_type, *, num_heads: int, num_tiles: int, batch: int, interp
     kernel = plgpu.kernel(
         body, out_type=out_type, grid=(num_heads, num_tiles, batch),
         grid_names=("heads", "tile", "batch"),
-        num_threads=consumers + 1 if warpgroups is None else warpgroups, thread_name="wg",
+        num_threads=warpgroups, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True), **extra)
     # a launch without outputs takes refs (run_into), which it wraps whole
     return on_platform("cuda", kernel) if out_type else kernel

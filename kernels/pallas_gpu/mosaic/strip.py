@@ -182,7 +182,7 @@ def forward_call(plan, config: StripConfig, heads: tuple[int, ...], q, k, v, pre
 
     def run(out_type):
         return launch(entry, out_type, num_heads=len(heads), num_tiles=num_strips, batch=B,
-                      interpret=interpret, consumers=consumers)
+                      interpret=interpret, warpgroups=consumers + 1)
 
     if prefilled:  # write into the earlier launch's buffers (aliased, not copied)
         outs = run_into(run(()), (q, k, v), prefilled)

@@ -20,10 +20,9 @@ adjacent sub-strips): the producer streams the query side (Q, dO, lse2, delta) o
 consumer's sub-strip through a ring of shared-memory slots once; the consumer loads its own K
 and V blocks into two slots, the next key block's while it computes the current one (with one
 slot it would wait on each key block's loads). Nothing is shared between the pairs, so a
-consumer's dQ ring needs no other
-warpgroup's order. The products accumulate in the Triton kernels' order (dQ over key blocks,
-dK and dV over query blocks, ascending). delta = rowsum(O * dO) comes from one XLA pass
-before the launch.
+consumer's dQ ring needs no other warpgroup's order. The products accumulate in the Triton
+kernels' order (dQ over key blocks, dK and dV over query blocks, ascending). delta =
+rowsum(O * dO) comes from one XLA pass before the launch.
 
 Interpret mode (CPU tests) runs it in Pallas' GPU interpreter, where each product is a plain
 dot of the same operands (``ring.mma``).
@@ -60,6 +59,12 @@ def band_blocks(window: int) -> int:
     return 1 + (window + STRIP_BLOCK - 2) // STRIP_BLOCK
 
 
+def dq_tiles(stages: int) -> int:
+    """float32 dQ tiles a consumer keeps: one per query block of a band but the diagonal one,
+    which its key block finishes (at least one)."""
+    return max(stages - 1, 1)
+
+
 def smem_bytes(window: int, head_dim: int, itemsize: int) -> int:
     """Shared memory of one program: per pair, its K and V blocks (``KV_SLOTS`` of each), the
     query-side ring (Q, dO tiles, lse2 and delta rows) of ``band_blocks`` slots, the dS^T
@@ -67,7 +72,7 @@ def smem_bytes(window: int, head_dim: int, itemsize: int) -> int:
     tile = STRIP_BLOCK * head_dim * itemsize
     stages = band_blocks(window)
     per_pair = (2 * KV_SLOTS * tile + stages * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
-                + max(stages - 1, 1) * STRIP_BLOCK * head_dim * 4)
+                + dq_tiles(stages) * STRIP_BLOCK * head_dim * 4)
     return PAIRS * per_pair
 
 
@@ -271,14 +276,14 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
                   lse2, out, prefilled=()):
     """(dq, dk, dv), each [B, Tp, H, Dp] in q's dtype, for the local ``heads`` (one kv head
     per query head; their windows' buffers fit shared memory: ``smem_bytes``) on padded
-    inputs (Tp a
-    multiple of ``STRIP_BLOCK``). delta = rowsum(O * dO) of these heads comes from one XLA
-    pass. prefilled: () or the (dq, dk, dv) of earlier launches, into which this one writes
-    its heads' rows (other rows kept); without it the other heads' rows are left unwritten."""
+    inputs (Tp a multiple of ``STRIP_BLOCK``). delta = rowsum(O * dO) of these heads comes
+    from one XLA pass. prefilled: () or the (dq, dk, dv) of earlier launches, into which this
+    one writes its heads' rows (other rows kept); without it the other heads' rows are left
+    unwritten."""
     B, Tp, H, Dp = q.shape
     heads, windows = selected_heads(plan, heads)
     stages = max(band_blocks(w) for w in windows)
-    dq_slots = max(stages - 1, 1)
+    dq_slots = dq_tiles(stages)
     sub = config.sub_blocks
     num_tiles = cdiv(cdiv(Tp // STRIP_BLOCK, sub), PAIRS)
     tile = plgpu.SMEM((PAIRS, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)

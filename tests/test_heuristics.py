@@ -91,8 +91,9 @@ def live_f32_registers(launch: Launch, head_dim: int) -> int:
     config = launch.config
     if isinstance(config, HopperForwardConfig):  # acc [bq, D], s [bq, bk]
         elements = config.block_q * (head_dim + config.block_k)
-    elif isinstance(config, StripConfig):
-        elements = STRIP_BLOCK * (head_dim + STRIP_BLOCK)
+    elif isinstance(config, StripConfig):  # s over the whole band in one pass
+        band = heuristics.ONE_PASS_MAX_BLOCKS if config.one_pass else 1
+        elements = STRIP_BLOCK * (head_dim + band * STRIP_BLOCK)
     else:  # dQ: acc [bq, D], s and dp [bq, dq_bk]; dK/dV: dk, dv [bk, D], s^T, dp^T [bk, bq]
         elements = max(config.block_q * (head_dim + 2 * config.dq_block_k),
                        2 * config.block_k * (head_dim + config.block_q))
@@ -493,6 +494,23 @@ def test_strip_window_limit_is_the_widest_ring_that_fits():
     assert all(took[w] for w in took if w <= 256) and not all(took.values())
 
 
+@pytest.mark.parametrize("windows,one_pass", [
+    pytest.param((128,) * 15, True, id="one-window-three-blocks"),
+    pytest.param((1,) * 15, True, id="one-window-one-block"),
+    pytest.param((129,) * 15, True, id="one-window-past-two-blocks"),
+    pytest.param((192,) * 15, False, id="one-window-four-blocks"),
+    pytest.param((128, 64) * 7 + (128,), False, id="two-windows"),
+])
+def test_one_pass_strips_for_one_window_of_at_most_three_blocks(windows, one_pass):
+    """The strips softmax a band in one pass when the local heads share a window whose band
+    spans at most ``ONE_PASS_MAX_BLOCKS`` key blocks (a query block's band: 1 + ceil((p - 1) /
+    64) blocks)."""
+    case = Case(dtype=jnp.bfloat16, head_dim=64, windows=(None,) + windows, seq_len=8192,
+                batch=4, num_kv_heads=16, has_segments=False, gpu=HOPPER)
+    (strip,) = [l for l in heuristics.launches(case).forward if l.lowering == "strip"]
+    assert strip.config.one_pass == one_pass
+
+
 def _forward_consumers(T, B, windows, D=64):
     case = Case(dtype=jnp.bfloat16, head_dim=D, windows=windows, seq_len=T, batch=B,
                 num_kv_heads=len(windows), has_segments=False, gpu=HOPPER)
@@ -676,6 +694,8 @@ def test_current_gpu_is_the_abstract_meshs_gpu(kind, hopper):
                  id="hopper-bwd-consumers"),
     pytest.param(lambda: StripConfig(strip_blocks=0),
                  "StripConfig.strip_blocks: expected an int >= 1, got 0", id="strip-blocks"),
+    pytest.param(lambda: StripConfig(one_pass=1), "StripConfig.one_pass: expected one of",
+                 id="strip-one-pass"),
     pytest.param(lambda: StripConfig(consumers=4), "StripConfig.consumers: expected one of",
                  id="strip-consumers"),
     pytest.param(lambda: Launch("cuda", (0,), TritonConfig()),

@@ -254,6 +254,18 @@ STRIP_CASES = [
     # a strip longer than the sequence, GQA
     pytest.param(bf16(1, 192, 2, 1, (100, 7)), strips(2, 1, None, StripConfig(strip_blocks=8)),
                  id="one-strip-a-row-gqa"),
+    # one window, its band in one pass past the first blocks (3 key blocks: edge and diagonal
+    # masked; 2 blocks, both masked; the diagonal alone), strips of 4, 3 and 2 blocks
+    pytest.param(bf16(1, 640, 2, 2, (128, 128)),
+                 strips(2, 2, None, StripConfig(strip_blocks=4, one_pass=True)),
+                 id="one-pass-three-blocks"),
+    pytest.param(bf16(2, 384, 3, 3, (None, 65, 65)),
+                 strips(3, 3, (1, 2), StripConfig(strip_blocks=3, one_pass=True),
+                        first=[("triton", (0,), TRITON16)]),
+                 id="one-pass-two-blocks-after-a-triton-launch"),
+    pytest.param(bf16(1, 256, 2, 1, (1, 1)),
+                 strips(2, 1, None, StripConfig(strip_blocks=2, one_pass=True)),
+                 id="one-pass-diagonal-gqa"),
     # into the Triton forward's buffers (a global head first)
     pytest.param(bf16(1, 256, 3, 3, (None, 128, 20)),
                  strips(3, 3, (1, 2), StripConfig(strip_blocks=2),

@@ -124,14 +124,18 @@ STRIP_BLOCK = 64  # the strip forward's query and key blocks: one wgmma row bloc
 class StripConfig:
     """The strip forward of local heads: each program walks ``strip_blocks`` consecutive
     ``STRIP_BLOCK``-row query blocks of one head with ``consumers`` warpgroups, the keys and
-    values of their bands streamed once through one ring."""
+    values of their bands streamed once through one ring. ``one_pass``: the heads share one
+    window, and a query block's band, past the sequence's first blocks, is softmaxed in one
+    pass (its key blocks' scores together, masks with static bounds)."""
 
     strip_blocks: int = 64
     consumers: int = 3
+    one_pass: bool = False
 
     def __post_init__(self):
         _check_count("StripConfig", "strip_blocks", self.strip_blocks)
         _check_choice("StripConfig", "consumers", self.consumers, (2, 3))
+        _check_choice("StripConfig", "one_pass", self.one_pass, (False, True))
 
     def blocks(self) -> tuple[int, ...]:
         return (STRIP_BLOCK,)

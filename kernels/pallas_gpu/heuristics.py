@@ -21,7 +21,7 @@ from ls_jax.kernels.pallas_gpu.configs import (STRIP_BLOCK, HopperBackwardConfig
                                                StripBackwardConfig, StripConfig, TritonConfig)
 from ls_jax.kernels.pallas_gpu.mosaic import strip_backward
 from ls_jax.kernels.pallas_gpu.mosaic.backward import dq_smem_bytes
-from ls_jax.kernels.pallas_gpu.mosaic.strip import strip_smem_bytes
+from ls_jax.kernels.pallas_gpu.mosaic.strip import one_pass_blocks, strip_smem_bytes
 
 # The Mosaic GPU lowering's limits (why a call may not take it).
 HOPPER_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit operands
@@ -60,6 +60,9 @@ STRIP_MIN_SEQ_LEN = 4096
 STRIP_HEAD_DIM = 64  # three strip consumers' registers hold D=64 tiles; D=128 would spill
 STRIP_CONSUMERS = 3
 MAX_STRIP_BLOCKS = 128  # query blocks per strip
+# A strip consumer softmaxes a band of at most this many key blocks in one pass (heads of one
+# window): their float32 score tiles (32 registers each) beside the accumulator fit its 160.
+ONE_PASS_MAX_BLOCKS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,10 +244,13 @@ def strip_fits(case: Case, heads: tuple[int, ...]) -> bool:
 def strip_config(case: Case, heads: tuple[int, ...]) -> StripConfig:
     """Each (head, batch element) row cut into as many strips as keep the programs within one
     wave of the SMs (at least one strip a row), at most ``MAX_STRIP_BLOCKS`` blocks each: a
-    longer strip reads each key/value block fewer times."""
+    longer strip reads each key/value block fewer times. Heads of one window whose band
+    spans at most ``ONE_PASS_MAX_BLOCKS`` key blocks take it in one pass."""
     num_blocks = cdiv(case.seq_len, STRIP_BLOCK)
     strip = max(1, min(MAX_STRIP_BLOCKS, cdiv(num_blocks, _programs_per_row(case, heads))))
-    return StripConfig(strip_blocks=strip, consumers=STRIP_CONSUMERS)
+    windows = {case.windows[h] for h in heads}
+    one_pass = len(windows) == 1 and one_pass_blocks(windows.pop()) <= ONE_PASS_MAX_BLOCKS
+    return StripConfig(strip_blocks=strip, consumers=STRIP_CONSUMERS, one_pass=one_pass)
 
 
 def strip_backward_fits(case: Case, heads: tuple[int, ...]) -> bool:

@@ -272,6 +272,38 @@ def mma(acc, a, b_smem, *, transpose_b: bool, interpret: bool):
     return pl.run_state(accumulate)(plgpu.ACC.init(acc))
 
 
+def mma_each(a, b_smems, *, transpose_b: bool = True, interpret: bool):
+    """``[a @ b for b in b_smems]`` in float32 (``b`` transposed when ``transpose_b``): every
+    product issued before the first is waited for."""
+    if interpret:
+        return [mma(None, a, b, transpose_b=transpose_b, interpret=True) for b in b_smems]
+    bs = [b.transpose((1, 0)) if transpose_b else b for b in b_smems]
+    rows = a.shape[0]
+    cols = bs[0].shape[1]
+
+    def products(*acc_refs):
+        for acc_ref, b in zip(acc_refs, bs):
+            plgpu.wgmma(acc_ref, a, b)
+        return [acc_ref[...] for acc_ref in acc_refs]
+
+    return pl.run_scoped(products, *[plgpu.ACC((rows, cols), jnp.float32)] * len(bs))
+
+
+def mma_sum(a_list, b_smems, *, interpret: bool):
+    """``sum(a @ b)`` over the pairs in float32, the products chained on one accumulator."""
+    if interpret:
+        return functools.reduce(jnp.add, [mma(None, a, b, transpose_b=False, interpret=True)
+                                          for a, b in zip(a_list, b_smems)])
+
+    def chain(acc_ref):
+        for a, b in zip(a_list, b_smems):
+            plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+
+    rows, cols = a_list[0].shape[0], b_smems[0].shape[1]
+    return pl.run_scoped(chain, plgpu.ACC((rows, cols), jnp.float32))
+
+
 def _is_ref(x) -> bool:
     return isinstance(x, state_types.TransformedRef) or isinstance(
         getattr(x, "aval", None), state_types.AbstractRef)
@@ -290,21 +322,37 @@ def tile_allowed(q_first, k_first, rows: int, cols: int, window):
                    window)
 
 
+def static_tile_allowed(shift: int, rows: int, cols: int, window: int):
+    """``tile_allowed`` for a static ``shift = q_first - k_first`` and window: only the bounds
+    that cut the tile are tested, on the column-minus-row iota (the same for every tile
+    shifted alike); None for a tile inside the band."""
+    gap = tile_iota(rows, cols, 1) - tile_iota(rows, cols, 0)  # key - query - shift
+    ok = None
+    if shift < cols - 1:  # causal: key <= query
+        ok = gap <= shift
+    if shift - window + 1 > -(rows - 1):  # window: query - key < window
+        inside = gap >= shift - window + 1
+        ok = inside if ok is None else ok & inside
+    return ok
+
+
 def zero_tile(rows: int, cols: int):
     """float32 zeros [rows, cols] in the wgmma accumulator layout (an accumulator's start)."""
     return plgpu.layout_cast(jnp.zeros((rows, cols), jnp.float32), plgpu.Layout.WGMMA)
+
+
+def row_vector(rows: int, value: float):
+    """float32 [rows] filled with ``value``, in the layout of a wgmma tile's row reduction."""
+    return plgpu.layout_cast(jnp.full((rows,), value, jnp.float32),
+                             plgpu.Layout.WGMMA.reduce(1))
 
 
 def softmax_carry(rows: int, head_dim: int, with_stats: bool):
     """The online softmax's initial carry for ``rows`` query rows in the wgmma layouts: the
     accumulator (zeros), the running max (floored), the row sum, and with the statistics the
     running row minimum of the scores."""
-    def row_vector(value):
-        return plgpu.layout_cast(jnp.full((rows,), value, jnp.float32),
-                                 plgpu.Layout.WGMMA.reduce(1))
-
-    carry = (zero_tile(rows, head_dim), row_vector(MAX_FLOOR), row_vector(0.0))
-    return carry + (row_vector(-MASKED_SCORE),) if with_stats else carry
+    carry = (zero_tile(rows, head_dim), row_vector(rows, MAX_FLOOR), row_vector(rows, 0.0))
+    return carry + (row_vector(rows, -MASKED_SCORE),) if with_stats else carry
 
 
 def store_rows(carry, o_smem, lse_smem, stat_smem, out_ref, lse_ref, stat_ref, *, b, h,

@@ -33,19 +33,26 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ls_jax.kernels.band import cdiv, kv_block_range
-from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE, split_kv_loop
+from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE, MAX_FLOOR, split_kv_loop
 from ls_jax.kernels.pallas_gpu.configs import STRIP_BLOCK, StripConfig
 from ls_jax.kernels.pallas_gpu.mosaic.ring import (REGISTERS, TILE_TRANSFORMS, launch, mma,
-                                                   produce_kv, program_ids, ring_slot, row_min,
-                                                   run_into, selected_heads, softmax_carry,
-                                                   softmax_step, store_rows, strip_bounds,
-                                                   strip_share, tile_allowed, walk_strip)
+                                                   mma_each, mma_sum, produce_kv, program_ids,
+                                                   ring_slot, row_min, row_vector, run_into,
+                                                   selected_heads, softmax_carry, softmax_step,
+                                                   static_tile_allowed, store_rows,
+                                                   strip_bounds, strip_share, tile_allowed,
+                                                   walk_strip)
 
 
 def strip_stages(window: int, consumers: int) -> int:
     """Ring slots: a consumer's band (window / block + 1 blocks), one block more per other
     consumer (their query blocks run ahead by one each) and one prefetch."""
     return cdiv(window, STRIP_BLOCK) + 1 + consumers + 1
+
+
+def one_pass_blocks(window: int) -> int:
+    """Key blocks in the band of a query block past the sequence's first ``window`` keys."""
+    return cdiv(window - 1, STRIP_BLOCK) + 1
 
 
 def strip_smem_bytes(window: int, head_dim: int, itemsize: int, consumers: int) -> int:
@@ -57,7 +64,8 @@ def strip_smem_bytes(window: int, head_dim: int, itemsize: int, consumers: int) 
 
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, windows, group,
-            strip, stages, consumers, seq_len, score_scale, scale, with_stats, interpret):
+            strip, stages, consumers, seq_len, score_scale, scale, with_stats, one_pass,
+            interpret):
     smem, (k_loaded, v_loaded, q_loaded), (k_free, v_free) = scoped
     q_smem, k_smem, v_smem, o_smem, lse_smem, stat_smem = smem
     b, h, window, wg = program_ids(heads, windows)
@@ -117,15 +125,48 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
                               transpose_b=False, interpret=interpret)
                 return (acc_QxD, m_new_Q, l_Q, *min_Q)
 
-            carry = softmax_carry(block, head_dim, with_stats)
-            carry = lax.fori_loop(first, lo, functools.partial(step, masked=True), carry)
-            carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
-            carry = lax.fori_loop(hi, end, functools.partial(step, masked=True), carry)
+            def store(carry):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's stores read
+                store_rows(carry, o_smem.at[wg], lse_smem.at[wg],
+                           stat_smem.at[wg] if with_stats else None, out_ref, lse_ref,
+                           stat_ref, b=b, h=h, q_first=q_first, scale=scale)
 
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last block's stores read
-            store_rows(carry, o_smem.at[wg], lse_smem.at[wg],
-                       stat_smem.at[wg] if with_stats else None, out_ref, lse_ref, stat_ref,
-                       b=b, h=h, q_first=q_first, scale=scale)
+            def online():
+                carry = softmax_carry(block, head_dim, with_stats)
+                carry = lax.fori_loop(first, lo, functools.partial(step, masked=True), carry)
+                carry = lax.fori_loop(lo, hi, functools.partial(step, masked=False), carry)
+                carry = lax.fori_loop(hi, end, functools.partial(step, masked=True), carry)
+                store(carry)
+
+            def whole_band():
+                # the band's key blocks are i - band_blocks + 1 .. i: static offsets, so each
+                # tile's mask bounds are static too, and its scores are softmaxed in one pass
+                slots = [slot_of(first + d) for d in range(band_blocks)]
+                s_QxK = mma_each(q_tile, [k_smem.at[r] for r in slots], interpret=interpret)
+                min_Q = [row_vector(block, -MASKED_SCORE)] if with_stats else []
+                for d in range(band_blocks):
+                    ok_QxK = static_tile_allowed((band_blocks - 1 - d) * block, block,
+                                                 block, windows[0])
+                    if with_stats:
+                        min_Q = row_min(s_QxK[d], ok_QxK, min_Q)
+                    if ok_QxK is not None:
+                        s_QxK[d] = jnp.where(ok_QxK, s_QxK[d], MASKED_SCORE)
+                m_Q = functools.reduce(jnp.maximum, [s.max(axis=1) for s in s_QxK])
+                m_Q = jnp.maximum(m_Q * c, MAX_FLOOR)
+                p_QxK = [jnp.exp2(s * c - lax.broadcast_in_dim(m_Q, s.shape, [0]))
+                         for s in s_QxK]
+                l_Q = functools.reduce(jnp.add, [p.sum(axis=1) for p in p_QxK])
+                acc_QxD = mma_sum([p.astype(dtype) for p in p_QxK],
+                                  [v_smem.at[r] for r in slots], interpret=interpret)
+                store((acc_QxD, m_Q, l_Q, *min_Q))
+
+            if one_pass:  # the band is whole past the sequence's first blocks
+                band_blocks = one_pass_blocks(windows[0])
+                whole = end - first == band_blocks
+                pl.when(whole)(whole_band)
+                pl.when(jnp.logical_not(whole))(online)
+            else:
+                online()
 
         # a block's successor (i + consumers) needs the key blocks from its band's first
         walk_strip(count, q_block_of,
@@ -155,6 +196,7 @@ def forward_call(plan, config: StripConfig, heads: tuple[int, ...], q, k, v, pre
     assert Tp % STRIP_BLOCK == 0, Tp
     heads, windows = selected_heads(plan, heads)
     stages = strip_stages(max(windows), consumers)
+    assert not config.one_pass or len(set(windows)) == 1, windows
     num_blocks = Tp // STRIP_BLOCK
     strip = config.strip_blocks
     num_strips = cdiv(num_blocks, strip)
@@ -172,7 +214,8 @@ def forward_call(plan, config: StripConfig, heads: tuple[int, ...], q, k, v, pre
             _kernel, q_ref, k_ref, v_ref, out_ref, lse_ref, stat[0] if with_stats else None,
             heads=heads, windows=windows, group=H // G, strip=strip, stages=stages,
             consumers=consumers, seq_len=Tp, score_scale=plan.scale * LOG2_E,
-            scale=plan.scale, with_stats=with_stats, interpret=interpret)
+            scale=plan.scale, with_stats=with_stats, one_pass=config.one_pass,
+            interpret=interpret)
         pl.run_scoped(
             lambda *scoped: body(scoped), scratch,
             (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),

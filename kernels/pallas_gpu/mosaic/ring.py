@@ -272,36 +272,43 @@ def mma(acc, a, b_smem, *, transpose_b: bool, interpret: bool):
     return pl.run_state(accumulate)(plgpu.ACC.init(acc))
 
 
-def mma_each(a, b_smems, *, transpose_b: bool = True, interpret: bool):
-    """``[a @ b for b in b_smems]`` in float32 (``b`` transposed when ``transpose_b``): every
-    product issued before the first is waited for."""
+def mma_each(a, b_smems, visit, *, interpret: bool):
+    """``[visit(d, a @ b_d.T)]`` in float32 over the tiles ``b_smems``: the products are issued
+    together, and ``visit`` runs on each as soon as it is done, under the later ones."""
     if interpret:
-        return [mma(None, a, b, transpose_b=transpose_b, interpret=True) for b in b_smems]
-    bs = [b.transpose((1, 0)) if transpose_b else b for b in b_smems]
-    rows = a.shape[0]
-    cols = bs[0].shape[1]
+        return [visit(d, mma(None, a, b, transpose_b=True, interpret=True))
+                for d, b in enumerate(b_smems)]
+    bs = [b.transpose((1, 0)) for b in b_smems]
 
     def products(*acc_refs):
         for acc_ref, b in zip(acc_refs, bs):
             plgpu.wgmma(acc_ref, a, b)
-        return [acc_ref[...] for acc_ref in acc_refs]
+        return [visit(d, plgpu.wgmma_accumulator_load(acc_ref, wait_n=len(bs) - 1 - d))
+                for d, acc_ref in enumerate(acc_refs)]
 
-    return pl.run_scoped(products, *[plgpu.ACC((rows, cols), jnp.float32)] * len(bs))
+    shape = (a.shape[0], bs[0].shape[1])
+    return pl.run_scoped(products, *[plgpu.ACC(shape, jnp.float32)] * len(bs))
 
 
-def mma_sum(a_list, b_smems, *, interpret: bool):
-    """``sum(a @ b)`` over the pairs in float32, the products chained on one accumulator."""
+def mma_sum(operand, b_smems, rows: int, *, interpret: bool):
+    """``(sum_d a_d @ b_d, [x_d])`` in float32 where ``(a_d, x_d) = operand(d)``: each product
+    is issued as soon as its operand is made, so the next one is made under it (x_d: what
+    else ``operand`` derives from the same values)."""
     if interpret:
-        return functools.reduce(jnp.add, [mma(None, a, b, transpose_b=False, interpret=True)
-                                          for a, b in zip(a_list, b_smems)])
+        made = [operand(d) for d in range(len(b_smems))]
+        return functools.reduce(jnp.add, [
+            mma(None, a, b, transpose_b=False, interpret=True)
+            for (a, _), b in zip(made, b_smems)]), [x for _, x in made]
 
     def chain(acc_ref):
-        for a, b in zip(a_list, b_smems):
+        extras = []
+        for d, b in enumerate(b_smems):
+            a, x = operand(d)
+            extras.append(x)
             plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
+        return acc_ref[...], extras
 
-    rows, cols = a_list[0].shape[0], b_smems[0].shape[1]
-    return pl.run_scoped(chain, plgpu.ACC((rows, cols), jnp.float32))
+    return pl.run_scoped(chain, plgpu.ACC((rows, b_smems[0].shape[1]), jnp.float32))
 
 
 def _is_ref(x) -> bool:

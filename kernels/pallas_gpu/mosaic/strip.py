@@ -142,23 +142,30 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
                 # the band's key blocks are i - band_blocks + 1 .. i: static offsets, so each
                 # tile's mask bounds are static too, and its scores are softmaxed in one pass
                 slots = [slot_of(first + d) for d in range(band_blocks)]
-                s_QxK = mma_each(q_tile, [k_smem.at[r] for r in slots], interpret=interpret)
-                min_Q = [row_vector(block, -MASKED_SCORE)] if with_stats else []
-                for d in range(band_blocks):
-                    ok_QxK = static_tile_allowed((band_blocks - 1 - d) * block, block,
-                                                 block, windows[0])
-                    if with_stats:
-                        min_Q = row_min(s_QxK[d], ok_QxK, min_Q)
+
+                def masked(d, s_QxK):  # under the later blocks' products
+                    ok_QxK = static_tile_allowed((band_blocks - 1 - d) * block, block, block,
+                                                 windows[0])
+                    min_Q = row_min(s_QxK, ok_QxK, [row_vector(block, -MASKED_SCORE)]
+                                    ) if with_stats else []
                     if ok_QxK is not None:
-                        s_QxK[d] = jnp.where(ok_QxK, s_QxK[d], MASKED_SCORE)
+                        s_QxK = jnp.where(ok_QxK, s_QxK, MASKED_SCORE)
+                    return s_QxK, min_Q
+
+                s_QxK, mins = zip(*mma_each(q_tile, [k_smem.at[r] for r in slots], masked,
+                                            interpret=interpret))
+                min_Q = [functools.reduce(jnp.minimum, [m[0] for m in mins])] if with_stats else []
                 m_Q = functools.reduce(jnp.maximum, [s.max(axis=1) for s in s_QxK])
                 m_Q = jnp.maximum(m_Q * c, MAX_FLOOR)
-                p_QxK = [jnp.exp2(s * c - lax.broadcast_in_dim(m_Q, s.shape, [0]))
-                         for s in s_QxK]
-                l_Q = functools.reduce(jnp.add, [p.sum(axis=1) for p in p_QxK])
-                acc_QxD = mma_sum([p.astype(dtype) for p in p_QxK],
-                                  [v_smem.at[r] for r in slots], interpret=interpret)
-                store((acc_QxD, m_Q, l_Q, *min_Q))
+
+                def probabilities(d):  # under the earlier blocks' products
+                    p_QxK = jnp.exp2(s_QxK[d] * c - lax.broadcast_in_dim(m_Q, (block, block),
+                                                                         [0]))
+                    return p_QxK.astype(dtype), p_QxK.sum(axis=1)
+
+                acc_QxD, sums = mma_sum(probabilities, [v_smem.at[r] for r in slots], block,
+                                        interpret=interpret)
+                store((acc_QxD, m_Q, functools.reduce(jnp.add, sums), *min_Q))
 
             if one_pass:  # the band is whole past the sequence's first blocks
                 band_blocks = one_pass_blocks(windows[0])

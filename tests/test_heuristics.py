@@ -811,6 +811,19 @@ def test_given_launches_the_mosaic_kernels_cannot_run_are_refused(dtype, has_seg
     assert "\n" not in str(error.value)
 
 
+def test_one_pass_strips_over_two_windows_are_refused():
+    """A one-pass strip launch assumes one window for its heads: given launches over two are
+    one line, not a wrong result."""
+    chosen = Launches(forward=(Launch("strip", (0, 1), StripConfig(one_pass=True)),),
+                      backward=(Launch("triton", (0, 1), TRITON),), num_heads=2, num_kv_heads=2)
+    with pytest.raises(ValueError, match=r"^launches: a strip launch with one_pass=True takes "
+                                         r"heads of one window; got windows \[64, 128\] for "
+                                         r"heads \[0, 1\]$"):
+        make_plan(seq_len=256, head_dim=64, windows=(64, 128), num_kv_heads=2,
+                  dtype=jnp.bfloat16, scale=0.1, logit_stats=False, interpret=True, batch=1,
+                  has_segments=False, launches=chosen)
+
+
 @pytest.mark.parametrize("mix", ["all-global", "1g", "4g"])
 def test_hopper_launches_fit_at_head_size_256(mix):
     """Shared memory at the largest head size the dispatcher sends to this backend (D=129..256

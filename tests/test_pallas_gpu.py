@@ -616,6 +616,10 @@ GPU_CASES = [
                        jnp.bfloat16), id="d64-long-mix-strips"),
     pytest.param(Shape(1, 4000, 8, 2, 64, (None, 50, 512, 1, None, 128, 4000, 7),
                        jnp.float16), id="fp16-d64-mix-gqa-padded"),
+    # the local heads of one window: strips softmax a whole band in one pass (window 100:
+    # three key blocks, each masked)
+    pytest.param(Shape(2, 4500, 8, 4, 64, (None,) + (100,) * 7, jnp.bfloat16),
+                 id="d64-one-window-strips-gqa-padded"),
     # the local heads' fused strip backward (windows up to 65) beside the global heads'
     pytest.param(Shape(2, 8192, 8, 8, 64, (None, 64, 1, 50, None, 65, 32, 7), jnp.bfloat16),
                  id="d64-long-narrow-mix-strip-backward"),

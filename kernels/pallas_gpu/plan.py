@@ -18,7 +18,7 @@ import numpy as np
 from ls_jax.kernels.band import WindowSizes, cdiv, is_global, kv_block_range, q_block_range
 from ls_jax.kernels.pallas_gpu import heuristics
 from ls_jax.kernels.pallas_gpu.common import triton_block
-from ls_jax.kernels.pallas_gpu.configs import Launches, TritonConfig
+from ls_jax.kernels.pallas_gpu.configs import Launches, StripConfig, TritonConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +96,14 @@ def make_plan(*, seq_len: int, head_dim: int, windows: WindowSizes, num_kv_heads
             f"launches: the Mosaic GPU lowerings take 16-bit inputs, a head size that pads to "
             f"64 or 128 and no segment ids; got {jnp.dtype(dtype).name}, head size {head_dim}"
             f"{', segment ids' if has_segments else ''}: use 'triton' launches")
+    else:
+        for launch in launches.forward:
+            one_pass = isinstance(launch.config, StripConfig) and launch.config.one_pass
+            if one_pass and len({windows[h] for h in launch.heads}) > 1:
+                raise ValueError(
+                    f"launches: a strip launch with one_pass=True takes heads of one window; "
+                    f"got windows {[windows[h] for h in launch.heads]} for heads "
+                    f"{list(launch.heads)}")
     launches = fit_launches(launches, seq_len, interpret)
     block = max(launches.blocks())
     seq_len_padded = cdiv(seq_len, block) * block

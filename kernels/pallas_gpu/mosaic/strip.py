@@ -2,16 +2,21 @@
 
 The Triton forward gives every 64-row query block of a local head its own program, which
 fetches the 2-3 key/value blocks of its band from L2; at p=128 every key/value block is
-fetched by 3-4 query blocks, and that kernel runs bound by L2 bandwidth. Here one program walks a *strip* of consecutive query blocks
-of one head and batch element, and a producer warpgroup streams the strip's key/value blocks
+fetched by 3-4 query blocks. Here one program walks a *strip* of consecutive query blocks of
+one head and batch element, and a producer warpgroup streams the strip's key/value blocks
 through a ring of shared-memory slots once each:
 
-* the consumers (``StripConfig.consumers`` warpgroups, 160 registers each with three) take the strip's query blocks in turn (consumer c: blocks c, c + C, ...),
-  loading their own query blocks with TMA, the next one ahead into a second slot;
+* the consumers (``StripConfig.consumers`` warpgroups, 160 registers each with three) take
+  the strip's query blocks in turn (consumer c: blocks c, c + C, ...), loading their own
+  query blocks with TMA, the next one ahead into a second slot;
 * a consumer waits for each streamed block once, in stream order (the lowering tracks a
   barrier's phase per thread, so no block may be skipped or waited twice), and releases it
   as soon as its next query block no longer needs it; the ring holds a consumer's band, the
   other consumers' blocks ahead of it and one prefetch: ``strip_stages`` slots;
+* with ``StripConfig.one_pass`` (heads of one window, ``plan.make_plan`` checks), a query
+  block whose band is whole (past the sequence's first blocks) takes its key blocks' scores
+  in one pass: the tiles sit at fixed offsets from the query block, so their masks have static
+  bounds; no running max and no rescaled accumulator. The first blocks take the online loop;
 * outputs go out through a per-consumer shared-memory tile and TMA, as in
   ``forward.py``: out, lse2 (log2 domain) and, when asked, each row's max |logit|.
 
@@ -203,7 +208,6 @@ def forward_call(plan, config: StripConfig, heads: tuple[int, ...], q, k, v, pre
     assert Tp % STRIP_BLOCK == 0, Tp
     heads, windows = selected_heads(plan, heads)
     stages = strip_stages(max(windows), consumers)
-    assert not config.one_pass or len(set(windows)) == 1, windows
     num_blocks = Tp // STRIP_BLOCK
     strip = config.strip_blocks
     num_strips = cdiv(num_blocks, strip)

@@ -137,6 +137,13 @@ def q_block_range(kv_block, block_q: int, block_k: int, window, seq_len: int):
     return first, _min(k_last + window - 1, seq_len - 1) // block_q + 1
 
 
+def band_blocks(window: int, block: int) -> int:
+    """Blocks a block's band meets on the other side, away from the sequence's start (both
+    sides blocks of ``block`` positions): the key blocks of a query block, and as many query
+    blocks reach a key block (its last key is seen up to window - 1 rows below it)."""
+    return cdiv(window - 1, block) + 1
+
+
 def kv_full_block_range(q_block, block_q: int, block_k: int, window, seq_len: int):
     """[first, end) key blocks where every (i, j) of the tile is allowed (no element mask).
 

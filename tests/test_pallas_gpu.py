@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from ls_jax.kernels import ls_attention
-from ls_jax.kernels.band import (kv_block_range, kv_full_block_range, q_block_range,
-                                 q_full_block_range)
+from ls_jax.kernels.band import (band_blocks, kv_block_range, kv_full_block_range,
+                                 q_block_range, q_full_block_range)
 from ls_jax.kernels.pallas_gpu import (HopperBackwardConfig, HopperForwardConfig, Launch,
                                        Launches, StripBackwardConfig, StripConfig,
                                        TritonConfig, heuristics, pallas_gpu_attention,
@@ -572,6 +572,18 @@ def test_full_ranges_are_exact():
             f, e = q_full_block_range(j, bq, bk, window, T)
             want = [i for i in range(T // bq) if tile_state(i, j, bq, bk, window)[1]]
             assert list(range(f, min(e, T // bq))) == want
+
+
+def test_band_blocks_counts_either_side_of_a_band_past_the_start():
+    """``band.band_blocks``: the key blocks of a query block and the query blocks reaching a
+    key block, for blocks whose band starts past the sequence's first block."""
+    T, block = 4096, 16
+    for window in (1, 2, 15, 16, 17, 31, 32, 33, 100):
+        i = window // block + 2  # a band that starts past key 0, ends before T
+        first, end = kv_block_range(i, block, block, window, T)
+        assert end - first == band_blocks(window, block), window
+        first, end = q_block_range(i, block, block, window, T)
+        assert end - first == band_blocks(window, block), window
 
 
 @pytest.mark.parametrize("heads", [(0, 1, 2, 3, 4, 5), (1, 3, 4)], ids=["every-head", "some"])

@@ -14,14 +14,14 @@ import re
 import jax
 import jax.numpy as jnp
 
-from ls_jax.kernels.band import cdiv
+from ls_jax.kernels.band import band_blocks, cdiv
 from ls_jax.kernels.heads import split_heads
 from ls_jax.kernels.pallas_gpu.configs import (STRIP_BLOCK, HopperBackwardConfig,
                                                HopperForwardConfig, Launch, Launches,
                                                StripBackwardConfig, StripConfig, TritonConfig)
 from ls_jax.kernels.pallas_gpu.mosaic import strip_backward
 from ls_jax.kernels.pallas_gpu.mosaic.backward import dq_smem_bytes
-from ls_jax.kernels.pallas_gpu.mosaic.strip import one_pass_blocks, strip_smem_bytes
+from ls_jax.kernels.pallas_gpu.mosaic.strip import strip_smem_bytes
 
 # The Mosaic GPU lowering's limits (why a call may not take it).
 HOPPER_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit operands
@@ -249,7 +249,8 @@ def strip_config(case: Case, heads: tuple[int, ...]) -> StripConfig:
     num_blocks = cdiv(case.seq_len, STRIP_BLOCK)
     strip = max(1, min(MAX_STRIP_BLOCKS, cdiv(num_blocks, _programs_per_row(case, heads))))
     windows = {case.windows[h] for h in heads}
-    one_pass = len(windows) == 1 and one_pass_blocks(windows.pop()) <= ONE_PASS_MAX_BLOCKS
+    one_pass = (len(windows) == 1
+                and band_blocks(windows.pop(), STRIP_BLOCK) <= ONE_PASS_MAX_BLOCKS)
     return StripConfig(strip_blocks=strip, consumers=STRIP_CONSUMERS, one_pass=one_pass)
 
 

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ls_jax.kernels.band import cdiv, kv_block_range
+from ls_jax.kernels.band import band_blocks, cdiv, kv_block_range
 from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE, MAX_FLOOR, split_kv_loop
 from ls_jax.kernels.pallas_gpu.configs import STRIP_BLOCK, StripConfig
 from ls_jax.kernels.pallas_gpu.mosaic.ring import (REGISTERS, TILE_TRANSFORMS, launch, mma,
@@ -53,11 +53,6 @@ def strip_stages(window: int, consumers: int) -> int:
     """Ring slots: a consumer's band (window / block + 1 blocks), one block more per other
     consumer (their query blocks run ahead by one each) and one prefetch."""
     return cdiv(window, STRIP_BLOCK) + 1 + consumers + 1
-
-
-def one_pass_blocks(window: int) -> int:
-    """Key blocks in the band of a query block past the sequence's first ``window`` keys."""
-    return cdiv(window - 1, STRIP_BLOCK) + 1
 
 
 def strip_smem_bytes(window: int, head_dim: int, itemsize: int, consumers: int) -> int:
@@ -144,12 +139,12 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
                 store(carry)
 
             def whole_band():
-                # the band's key blocks are i - band_blocks + 1 .. i: static offsets, so each
-                # tile's mask bounds are static too, and its scores are softmaxed in one pass
-                slots = [slot_of(first + d) for d in range(band_blocks)]
+                # the band's key blocks are i - blocks + 1 .. i: static offsets, so each tile's
+                # mask bounds are static too, and its scores are softmaxed in one pass
+                slots = [slot_of(first + d) for d in range(blocks)]
 
                 def masked(d, s_QxK):  # under the later blocks' products
-                    ok_QxK = static_tile_allowed((band_blocks - 1 - d) * block, block, block,
+                    ok_QxK = static_tile_allowed((blocks - 1 - d) * block, block, block,
                                                  windows[0])
                     min_Q = row_min(s_QxK, ok_QxK, [row_vector(block, -MASKED_SCORE)]
                                     ) if with_stats else []
@@ -173,8 +168,8 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, lse_ref, stat_ref, scoped, *, heads, w
                 store((acc_QxD, m_Q, functools.reduce(jnp.add, sums), *min_Q))
 
             if one_pass:  # the band is whole past the sequence's first blocks
-                band_blocks = one_pass_blocks(windows[0])
-                whole = end - first == band_blocks
+                blocks = band_blocks(windows[0], block)
+                whole = end - first == blocks
                 pl.when(whole)(whole_band)
                 pl.when(jnp.logical_not(whole))(online)
             else:

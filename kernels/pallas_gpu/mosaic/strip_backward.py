@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ls_jax.kernels.band import allowed, cdiv, kv_block_range, q_block_range
+from ls_jax.kernels.band import allowed, band_blocks, cdiv, kv_block_range, q_block_range
 from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE
 from ls_jax.kernels.pallas_gpu.configs import STRIP_BLOCK, StripBackwardConfig
 from ls_jax.kernels.pallas_gpu.mosaic.backward import row_delta
@@ -53,12 +53,6 @@ REGISTERS = (232, 24)
 KV_SLOTS = 2  # K/V blocks of a consumer: the current key block's and the next one's
 
 
-def band_blocks(window: int) -> int:
-    """Query blocks whose band reaches one key block (the last key of a block sees queries up
-    to window - 1 rows below it)."""
-    return 1 + (window + STRIP_BLOCK - 2) // STRIP_BLOCK
-
-
 def dq_tiles(stages: int) -> int:
     """float32 dQ tiles a consumer keeps: one per query block of a band but the diagonal one,
     which its key block finishes (at least one)."""
@@ -70,7 +64,7 @@ def smem_bytes(window: int, head_dim: int, itemsize: int) -> int:
     query-side ring (Q, dO tiles, lse2 and delta rows) of ``band_blocks`` slots, the dS^T
     staging tile and the float32 dQ ring."""
     tile = STRIP_BLOCK * head_dim * itemsize
-    stages = band_blocks(window)
+    stages = band_blocks(window, STRIP_BLOCK)
     per_pair = (2 * KV_SLOTS * tile + stages * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
                 + dq_tiles(stages) * STRIP_BLOCK * head_dim * 4)
     return PAIRS * per_pair
@@ -282,7 +276,7 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
     unwritten."""
     B, Tp, H, Dp = q.shape
     heads, windows = selected_heads(plan, heads)
-    stages = max(band_blocks(w) for w in windows)
+    stages = max(band_blocks(w, STRIP_BLOCK) for w in windows)
     dq_slots = dq_tiles(stages)
     sub = config.sub_blocks
     num_tiles = cdiv(cdiv(Tp // STRIP_BLOCK, sub), PAIRS)

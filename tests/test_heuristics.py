@@ -73,14 +73,14 @@ def strip_smem(window: int, head_dim: int, itemsize: int, consumers: int) -> int
     return tiles * STRIP_BLOCK * head_dim * itemsize + 2 * consumers * STRIP_BLOCK * 4
 
 
-def strip_backward_smem(window: int, head_dim: int, itemsize: int) -> int:
-    """The fused strip backward's buffers, two consumer/producer pairs each: K and V (two of
-    each: the current key block's and the next one's), a ring of Q and dO tiles with lse and
-    delta rows (as many slots as query blocks meet one key block), a dS staging tile and
-    float32 dQ tiles (one fewer than the ring's slots, at least one)."""
+def strip_backward_smem(window: int, head_dim: int, itemsize: int, kv_slots: int = 2) -> int:
+    """The fused strip backward's buffers, two consumer/producer pairs each: K and V
+    (``kv_slots`` of each: the current key block's and with two the next one's), a ring of Q
+    and dO tiles with lse and delta rows (as many slots as query blocks meet one key block), a
+    dS staging tile and float32 dQ tiles (one fewer than the ring's slots, at least one)."""
     tile = STRIP_BLOCK * head_dim * itemsize
     slots = (STRIP_BLOCK - 1 + window - 1) // STRIP_BLOCK + 1  # the key block's last key's band
-    per_pair = (2 * 2 * tile + slots * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
+    per_pair = (2 * kv_slots * tile + slots * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
                 + max(slots - 1, 1) * STRIP_BLOCK * head_dim * 4)
     return 2 * per_pair
 
@@ -269,42 +269,57 @@ def test_strips_only_for_d64_local_heads_whose_ring_fits():
 def test_strip_backward_only_for_d64_local_heads_whose_buffers_fit():
     """The local heads' backward runs as fused strips exactly where the Hopper kernels run, at
     D=64, from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN``, with one kv head per query head, and where
-    the buffers for the widest local window with two K/V slots fit shared memory; the global
-    heads then run on the Hopper backward before it."""
-    count = 0
+    the buffers for the widest local window with two K/V slots fit shared memory, or with one
+    for heads of one window of at least two blocks; the global heads then run on the Hopper
+    backward before it."""
+    count = {1: 0, 2: 0}
     for case, launches in grid():
         local = case.local_heads()
         itemsize = jnp.dtype(case.dtype).itemsize
+        windows = {case.windows[h] for h in local}
+        fits = {n: bool(local) and strip_backward_smem(max(windows), 64, itemsize, n)
+                <= SMEM_USABLE for n in (1, 2)}
         want = (hopper_capable(case) and case.head_dim == 64 and bool(local)
                 and case.seq_len >= heuristics.SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
                 and case.num_kv_heads == HEADS
-                and strip_backward_smem(max(case.windows[h] for h in local), 64,
-                                        itemsize) <= SMEM_USABLE)
+                and (fits[2] or (fits[1] and len(windows) == 1
+                                 and min(windows) >= 2 * STRIP_BLOCK)))
         strips = [l for l in launches.backward if l.lowering == "strip"]
         assert bool(strips) == want, describe(case)
         if strips:
-            count += 1
+            assert strips[0].config.kv_slots == (2 if fits[2] else 1), describe(case)
+            count[strips[0].config.kv_slots] += 1
             assert strips[0].heads == local and launches.backward[-1] is strips[0]
             if case.global_heads():
                 assert lowerings(launches.backward)[0] == ("hopper", case.global_heads())
-    assert count > 0
+    assert count[1] > 0 and count[2] > 0
 
 
-def test_strip_backward_smem_bytes_counts_its_buffers():
+@pytest.mark.parametrize("kv_slots", [1, 2])
+def test_strip_backward_smem_bytes_counts_its_buffers(kv_slots):
     """``strip_backward.smem_bytes`` (what ``strip_backward_fits`` decides by) is the kernel's
     buffers as counted here, for windows 1 to 300."""
     for window in range(1, 300):
-        assert strip_backward.smem_bytes(window, 64, 2) == strip_backward_smem(window, 64, 2), \
-            window
+        assert (strip_backward.smem_bytes(window, 64, 2, kv_slots)
+                == strip_backward_smem(window, 64, 2, kv_slots)), window
 
 
-def test_strip_backward_window_limit():
-    """Windows up to 65 (two query blocks meet a key block) take the fused strip backward,
-    wider ones the Triton kernels."""
-    for window, want in [(1, "strip"), (64, "strip"), (65, "strip"), (66, "triton"),
-                         (128, "triton")]:
-        launches = heuristics.launches(make_case("bf16", 64, 8192, 4, "1g", window, HEADS))
-        assert [l.lowering for l in launches.backward] == ["hopper", want], window
+@pytest.mark.parametrize("window,want", [
+    pytest.param(1, ("strip", 2), id="one-key"), pytest.param(65, ("strip", 2), id="65-two-slots"),
+    pytest.param(66, ("triton", None), id="66-every-block-masked"),
+    pytest.param(127, ("triton", None), id="127-every-block-masked"),
+    pytest.param(128, ("strip", 1), id="128-one-slot-middle-block-unmasked"),
+    pytest.param(129, ("strip", 1), id="129-one-slot-middle-block-unmasked"),
+    pytest.param(130, ("triton", None), id="130-no-room"),
+    pytest.param((128, 100), ("triton", None), id="two-windows-128-100")])
+def test_strip_backward_window_limit(window, want):
+    """Windows up to 65 (two query blocks meet a key block) take the fused strip backward with
+    two K/V slots; heads of one window of 128 or 129 take it with one (the band's middle block
+    needs no mask); other windows the Triton kernels."""
+    launches = heuristics.launches(make_case("bf16", 64, 8192, 4, "1g", window, HEADS))
+    local = launches.backward[-1]
+    assert [l.lowering for l in launches.backward] == ["hopper", want[0]]
+    assert (local.config.kv_slots if local.lowering == "strip" else None) == want[1]
 
 
 def test_strip_backward_fills_at_most_one_wave():
@@ -584,7 +599,7 @@ def test_short_d64_mixes_run_one_triton_backward():
     every = tuple(range(HEADS))
     short = heuristics.launches(make_case("bf16", 64, T - STRIP_BLOCK, 4, "2g", 128, HEADS))
     assert lowerings(short.backward) == [("triton", every)]
-    long = heuristics.launches(make_case("bf16", 64, T, 4, "2g", 128, HEADS))
+    long = heuristics.launches(make_case("bf16", 64, T, 4, "2g", 100, HEADS))
     assert lowerings(long.backward) == [("hopper", (0, 1)), ("triton", every[2:])]
     gqa = heuristics.launches(make_case("bf16", 64, 4 * T, 4, "2g", 128, 4))
     assert lowerings(gqa.backward) == [("triton", every)]

@@ -332,6 +332,26 @@ STRIP_BACKWARD_CASES = [
                  strip_backward(3, (1, 2), StripBackwardConfig(sub_blocks=2),
                                 first=[("hopper", (0,), BWD2)]),
                  id="three-block-band-after-a-hopper-launch"),
+    # heads of one window: each query block's offset from the key block picks a mask with
+    # static bounds (bands of two and three query blocks, the middle one inside; window 2:
+    # the second block's mask keeps one key a row)
+    pytest.param(bf16(2, 130, 2, 2, (2, 2)),
+                 strip_backward(2, None, StripBackwardConfig(sub_blocks=1)),
+                 id="one-window-of-two"),
+    pytest.param(bf16(1, 256, 2, 2, (50, 50)),
+                 strip_backward(2, None, StripBackwardConfig(sub_blocks=3)),
+                 id="one-window-two-block-band"),
+    pytest.param(bf16(1, 320, 2, 2, (128, 128)),
+                 strip_backward(2, None, StripBackwardConfig(sub_blocks=2)),
+                 id="one-window-three-block-band"),
+    # one K/V slot: the next key block's V loads after the last dP^T, its K after the last dQ
+    pytest.param(bf16(1, 320, 2, 2, (128, 128)),
+                 strip_backward(2, None, StripBackwardConfig(sub_blocks=2, kv_slots=1)),
+                 id="one-kv-slot-one-window"),
+    pytest.param(bf16(1, 320, 3, 3, (None, 128, 100)),
+                 strip_backward(3, (1, 2), StripBackwardConfig(sub_blocks=3, kv_slots=1),
+                                first=[("hopper", (0,), BWD2)]),
+                 id="one-kv-slot-two-windows-after-a-hopper-launch"),
     # a sub-strip longer than the sequence: one pair of each program idle
     pytest.param(bf16(1, 192, 2, 2, (100, 3)),
                  strip_backward(2, None, StripBackwardConfig(sub_blocks=8)),
@@ -472,6 +492,13 @@ LOWERING_CASES = [
                  launches(4, 4, [("strip", None, StripConfig(strip_blocks=4))],
                           [("strip", None, StripBackwardConfig(sub_blocks=3))]),
                  id="d64-all-local-strips"),
+    # heads of one window: one-pass strips; the strip backward's static masks, one K/V slot
+    pytest.param(64, (None, 128, 128, 128), 4,
+                 launches(4, 4, [("hopper", (0,), WIDE_FWD3),
+                                 ("strip", (1, 2, 3), StripConfig(strip_blocks=4, one_pass=True))],
+                          [("hopper", (0,), BWD2),
+                           ("strip", (1, 2, 3), StripBackwardConfig(sub_blocks=4, kv_slots=1))]),
+                 id="d64-one-window-strips-one-kv-slot"),
 ]
 
 
@@ -635,6 +662,9 @@ GPU_CASES = [
     # the local heads' fused strip backward (windows up to 65) beside the global heads'
     pytest.param(Shape(2, 8192, 8, 8, 64, (None, 64, 1, 50, None, 65, 32, 7), jnp.bfloat16),
                  id="d64-long-narrow-mix-strip-backward"),
+    # ... with one K/V slot for heads of one window of 128
+    pytest.param(Shape(1, 8300, 4, 4, 64, (None, 128, 128, 128), jnp.bfloat16),
+                 id="d64-one-window-128-strip-backward-padded"),
 ]
 
 
@@ -694,7 +724,8 @@ def gpu_variants(shape: Shape) -> dict[str, Launches]:
     """Named launches for a shape on this GPU: the heuristics', every head on Triton, and where
     the Hopper kernels run every head on them with 2 and with 3 consumers (delta in the dQ
     kernel where it fits), the local heads as strips (D=64, windows whose ring fits), and their
-    backward as fused strips where its buffers fit (one kv head per query head)."""
+    backward as fused strips with one and with two K/V slots where the buffers fit (one kv
+    head per query head)."""
     gpu = heuristics.current_gpu()
     case = heuristics.Case(dtype=shape.dtype, head_dim=shape.D, windows=shape.windows,
                            seq_len=shape.T, batch=shape.B, num_kv_heads=shape.G,
@@ -717,11 +748,14 @@ def gpu_variants(shape: Shape) -> dict[str, Launches]:
         variants["strips"] = launches(
             H, G, first + [("strip", local, heuristics.strip_config(case, local))],
             [("hopper", None, heuristics.hopper_backward(case))])
-    if local and H == G and heuristics.strip_backward_fits(case, local):
-        first = [("hopper", glob, heuristics.hopper_backward(case))] if glob else []
-        variants["strip-backward"] = launches(
-            H, G, [("triton", None, heuristics.triton_config(case))],
-            first + [("strip", local, heuristics.strip_backward_config(case, local))])
+    first = [("hopper", glob, heuristics.hopper_backward(case))] if glob else []
+    for kv_slots in (1, 2):
+        if local and H == G and heuristics.strip_backward_fits(case, local, kv_slots):
+            config = dataclasses.replace(heuristics.strip_backward_config(case, local),
+                                         kv_slots=kv_slots)
+            variants[f"strip-backward-{kv_slots}-kv-slots"] = launches(
+                H, G, [("triton", None, heuristics.triton_config(case))],
+                first + [("strip", local, config)])
     return variants
 
 
@@ -738,6 +772,9 @@ GPU_VARIANT_SHAPES = [
                  id="d64-narrow-mix"),
     pytest.param(Shape(1, 3000, 4, 4, 64, (32, 50, 65, 1), jnp.bfloat16),
                  id="d64-all-local-padded"),
+    # heads of one window: masks with static bounds, the band's middle block unmasked
+    pytest.param(Shape(2, 2100, 6, 6, 64, (None,) + (128,) * 5, jnp.bfloat16),
+                 id="d64-one-window-128-mix-padded"),
 ]
 
 

@@ -145,12 +145,15 @@ class StripConfig:
 class StripBackwardConfig:
     """The fused strip backward of local heads: each consumer walks ``sub_blocks`` consecutive
     ``STRIP_BLOCK``-key blocks of one head (after a warm-up over the key blocks before them
-    that reach its first query block), the query side of their bands streamed once."""
+    that reach its first query block), the query side of their bands streamed once; with
+    ``kv_slots=2`` the next key block's K and V load while the current one is computed."""
 
     sub_blocks: int = 32
+    kv_slots: int = 2
 
     def __post_init__(self):
         _check_count("StripBackwardConfig", "sub_blocks", self.sub_blocks)
+        _check_choice("StripBackwardConfig", "kv_slots", self.kv_slots, (1, 2))
 
     def blocks(self) -> tuple[int, ...]:
         return (STRIP_BLOCK,)

@@ -254,23 +254,35 @@ def strip_config(case: Case, heads: tuple[int, ...]) -> StripConfig:
     return StripConfig(strip_blocks=strip, consumers=STRIP_CONSUMERS, one_pass=one_pass)
 
 
-def strip_backward_fits(case: Case, heads: tuple[int, ...]) -> bool:
-    """The fused strip backward takes these local heads: D=64, and buffers for the widest
-    window (two K/V slots among them: the next key block's loads under the current one) that
-    fit shared memory with ``SMEM_SPARE`` left; that is windows up to 65, a band of two query
-    blocks. Wider bands leave no room for the second slot, and the strips with one, waiting on
-    each key block's loads, are slower than the Triton kernels."""
+def strip_backward_fits(case: Case, heads: tuple[int, ...], kv_slots: int = 2) -> bool:
+    """The fused strip backward with ``kv_slots`` K/V slots a consumer takes these local heads:
+    D=64, and buffers for the widest window that fit shared memory with ``SMEM_SPARE`` left.
+    With two slots (the next key block's loads under the current one) that is windows up to
+    65, a band of two query blocks; with one, windows up to 129."""
     widest = max(case.windows[h] for h in heads)
     return (case.head_dim == STRIP_HEAD_DIM and strip_backward.smem_bytes(
-        widest, case.head_dim, jnp.dtype(case.dtype).itemsize) <= SMEM_BYTES - SMEM_SPARE)
+        widest, case.head_dim, jnp.dtype(case.dtype).itemsize, kv_slots)
+        <= SMEM_BYTES - SMEM_SPARE)
+
+
+def one_slot_strip_backward(case: Case, heads: tuple[int, ...]) -> bool:
+    """The fused strip backward with one K/V slot (``strip_backward_fits`` with one) takes
+    heads of one window of at least ``2 * STRIP_BLOCK``: each key block's band then holds a
+    query block that no mask bound cuts. It waits on each key block's loads; where every
+    query block of the band is masked, that costs more than the Triton kernels save."""
+    windows = {case.windows[h] for h in heads}
+    return (len(windows) == 1 and min(windows) >= 2 * STRIP_BLOCK
+            and strip_backward_fits(case, heads, kv_slots=1))
 
 
 def strip_backward_config(case: Case, heads: tuple[int, ...]) -> StripBackwardConfig:
     """Each (head, batch element) row cut into as many sub-strips as keep the programs (two
-    sub-strips each) within one wave of the SMs, at least two a row."""
+    sub-strips each) within one wave of the SMs, at least two a row; two K/V slots where they
+    fit, else one."""
     num_blocks = cdiv(case.seq_len, STRIP_BLOCK)
     sub = max(1, cdiv(num_blocks, strip_backward.PAIRS * _programs_per_row(case, heads)))
-    return StripBackwardConfig(sub_blocks=sub)
+    return StripBackwardConfig(sub_blocks=sub,
+                               kv_slots=2 if strip_backward_fits(case, heads) else 1)
 
 
 def _local_on_hopper_forward(case: Case) -> bool:
@@ -301,8 +313,8 @@ def backward_launches(case: Case) -> tuple[Launch, ...]:
     """The backward: every head on the Hopper kernels with every head global or at D=128; in
     other mixes with one kv head per query head, from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN`` at
     D <= 64, the global heads on them and the local heads as fused strips
-    (``strip_backward_fits``) or on the Triton kernels; else every head on the Triton
-    kernels."""
+    (``strip_backward_fits``, ``one_slot_strip_backward``) or on the Triton kernels; else
+    every head on the Triton kernels."""
     everything = tuple(range(case.num_heads))
     triton_all = (Launch("triton", everything, triton_config(case)),)
     if not hopper_runs(case):
@@ -313,7 +325,7 @@ def backward_launches(case: Case) -> tuple[Launch, ...]:
     short_narrow = case.head_dim <= 64 and case.seq_len < SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
     if short_narrow or case.num_kv_heads != case.num_heads:
         return triton_all
-    if strip_backward_fits(case, local):
+    if strip_backward_fits(case, local) or one_slot_strip_backward(case, local):
         local_launch = Launch("strip", local, strip_backward_config(case, local))
     elif glob:
         local_launch = Launch("triton", local, triton_config(case))

@@ -329,17 +329,21 @@ def tile_allowed(q_first, k_first, rows: int, cols: int, window):
                    window)
 
 
-def static_tile_allowed(shift: int, rows: int, cols: int, window: int):
+def static_tile_allowed(shift: int, rows: int, cols: int, window: int, *,
+                        keys_on_rows: bool = False):
     """``tile_allowed`` for a static ``shift = q_first - k_first`` and window: only the bounds
     that cut the tile are tested, on the column-minus-row iota (the same for every tile
-    shifted alike); None for a tile inside the band."""
-    gap = tile_iota(rows, cols, 1) - tile_iota(rows, cols, 0)  # key - query - shift
+    shifted alike); None for a tile inside the band. With ``keys_on_rows`` the tile is
+    transposed (keys on the rows, queries along the columns: the dK/dV orientation)."""
+    gap = tile_iota(rows, cols, 1) - tile_iota(rows, cols, 0)  # column - row
+    # query minus key position: shift - gap, or shift + gap with keys on the rows; allowed
+    # when in [0, window): gap in [low, high]
+    low, high = (-shift, window - shift - 1) if keys_on_rows else (shift - window + 1, shift)
     ok = None
-    if shift < cols - 1:  # causal: key <= query
-        ok = gap <= shift
-    if shift - window + 1 > -(rows - 1):  # window: query - key < window
-        inside = gap >= shift - window + 1
-        ok = inside if ok is None else ok & inside
+    if low > -(rows - 1):
+        ok = gap >= low
+    if high < cols - 1:
+        ok = gap <= high if ok is None else ok & (gap <= high)
     return ok
 
 

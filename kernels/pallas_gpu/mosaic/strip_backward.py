@@ -18,11 +18,15 @@ contributions (the next sub-strip's warm-up computes their dQ).
 A program holds two independent pairs of warpgroups (a consumer and a producer each, on
 adjacent sub-strips): the producer streams the query side (Q, dO, lse2, delta) of its
 consumer's sub-strip through a ring of shared-memory slots once; the consumer loads its own K
-and V blocks into two slots, the next key block's while it computes the current one (with one
-slot it would wait on each key block's loads). Nothing is shared between the pairs, so a
-consumer's dQ ring needs no other warpgroup's order. The products accumulate in the Triton
-kernels' order (dQ over key blocks, dK and dV over query blocks, ascending). delta =
-rowsum(O * dO) comes from one XLA pass before the launch.
+and V blocks. With two K/V slots it loads the next key block's while it computes the current
+one; with one (``StripBackwardConfig.kv_slots``, for bands too wide for two) it loads the next
+V after the current one's last dP^T and the next K after its last dQ, and waits on them.
+Nothing is shared between the pairs, so a consumer's dQ ring needs no other warpgroup's order.
+For heads of one window, the offset of a query block from the key block picks its mask, whose
+bounds are then static: one compare an element for each bound that cuts the tile (a tile
+inside the band has none). The products accumulate in the Triton kernels' order (dQ over key
+blocks, dK and dV over query blocks, ascending). delta = rowsum(O * dO) comes from one XLA
+pass before the launch.
 
 Interpret mode (CPU tests) runs it in Pallas' GPU interpreter, where each product is a plain
 dot of the same operands (``ring.mma``).
@@ -44,13 +48,13 @@ from ls_jax.kernels.pallas_gpu.configs import STRIP_BLOCK, StripBackwardConfig
 from ls_jax.kernels.pallas_gpu.mosaic.backward import row_delta
 from ls_jax.kernels.pallas_gpu.mosaic.ring import (TILE_TRANSFORMS, launch, mma, produce,
                                                    program_ids, ring_slot, run_into,
-                                                   selected_heads, tile_iota, zero_tile)
+                                                   selected_heads, static_tile_allowed,
+                                                   tile_iota, zero_tile)
 
 PAIRS = 2  # consumer/producer pairs a program holds (warpgroups 0..1 consume, 2..3 produce)
 # registers per thread of a consumer and of a producer: (2 * 232 + 2 * 24) * 128 = 65536, what
 # a program of four warpgroups launches with
 REGISTERS = (232, 24)
-KV_SLOTS = 2  # K/V blocks of a consumer: the current key block's and the next one's
 
 
 def dq_tiles(stages: int) -> int:
@@ -59,19 +63,19 @@ def dq_tiles(stages: int) -> int:
     return max(stages - 1, 1)
 
 
-def smem_bytes(window: int, head_dim: int, itemsize: int) -> int:
-    """Shared memory of one program: per pair, its K and V blocks (``KV_SLOTS`` of each), the
+def smem_bytes(window: int, head_dim: int, itemsize: int, kv_slots: int) -> int:
+    """Shared memory of one program: per pair, its K and V blocks (``kv_slots`` of each), the
     query-side ring (Q, dO tiles, lse2 and delta rows) of ``band_blocks`` slots, the dS^T
     staging tile and the float32 dQ ring."""
     tile = STRIP_BLOCK * head_dim * itemsize
     stages = band_blocks(window, STRIP_BLOCK)
-    per_pair = (2 * KV_SLOTS * tile + stages * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
+    per_pair = (2 * kv_slots * tile + stages * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
                 + dq_tiles(stages) * STRIP_BLOCK * head_dim * 4)
     return PAIRS * per_pair
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, scoped,
-            *, heads, windows, sub, stages, dq_slots, seq_len, score_scale, scale,
+            *, heads, windows, sub, stages, dq_slots, kv_slots, seq_len, score_scale, scale,
             interpret):
     smem, loaded, (free,) = scoped
     k_own, v_own, q_ring, do_ring, lse_ring, delta_ring, ds_tile, dq_acc = smem
@@ -90,8 +94,16 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
     _, last_end = q_block_range(end - 1, block, block, window, seq_len)
     stream_end = jnp.where(has_work, last_end, first)
 
+    one_window = len(set(windows)) == 1
+
     def slot_of(i):
         return ring_slot(i, first, stages)
+
+    def band_mask(offset: int):
+        """The mask of key block j against query block j + offset (heads of one window)."""
+        ok_KxQ = static_tile_allowed(offset * block, block, block, windows[0],
+                                     keys_on_rows=True)
+        return tile_iota(block, block, 0) >= 0 if ok_KxQ is None else ok_KxQ
 
     @pl.when(wg < PAIRS)
     def _consumer():
@@ -100,13 +112,13 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
         ds = ds_tile.at[c]
 
         def kv_slot(j):
-            return ring_slot(j, kv_start, KV_SLOTS)
+            return ring_slot(j, kv_start, kv_slots)
 
         def barrier(barriers, i):
             return barriers.at[c * stages + slot_of(i)]
 
         def kv_barrier(j, n):  # n: 0 for K, 1 for V
-            return kv_loaded.at[(c * KV_SLOTS + kv_slot(j)) * 2 + n]
+            return kv_loaded.at[(c * kv_slots + kv_slot(j)) * 2 + n]
 
         def load_k(j):
             plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(j * block, block), h],
@@ -129,14 +141,17 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
             ds[...] = value
             plgpu.commit_smem()
 
-        def step(i, grads, *, j, k_tile, v_tile, full: bool):
+        def step(i, grads, *, j, last, k_tile, v_tile, full: bool):
             """Query block i against key block j: dK/dV (when ``full``) and i's dQ."""
             slot = slot_of(i)
             q_blk, do_blk = q_ring.at[c, slot], do_ring.at[c, slot]
-            # the band rule on query minus key positions (one difference of iotas)
-            gap_KxQ = (tile_iota(block, block, 1) - tile_iota(block, block, 0)
-                       + (i - j) * block)
-            ok_KxQ = allowed(gap_KxQ, 0, window)
+            if one_window:  # i - j picks the mask; its bounds are static
+                ok_KxQ = lax.switch(i - j, [functools.partial(band_mask, offset)
+                                            for offset in range(band_blocks(windows[0], block))])
+            else:  # the band rule on query minus key positions (one difference of iotas)
+                gap_KxQ = (tile_iota(block, block, 1) - tile_iota(block, block, 0)
+                           + (i - j) * block)
+                ok_KxQ = allowed(gap_KxQ, 0, window)
             lse_Q = plgpu.load(lse_ring.at[c, slot], layout=plgpu.Layout.WGMMA.reduce(0))
             delta_Q = plgpu.load(delta_ring.at[c, slot], layout=plgpu.Layout.WGMMA.reduce(0))
             dq_slot = dq_acc.at[c, lax.rem(i - first, jnp.int32(dq_slots))]
@@ -172,6 +187,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
                     if full:
                         plgpu.wgmma(grad_refs[1], pT_KxQ.astype(dtype), do_blk)
                     dpT_KxQ = plgpu.wgmma_accumulator_load(dpT_ref, wait_n=1 if full else 0)
+                    if kv_slots == 1:  # the last read of this V is done
+                        pl.when(jnp.logical_and(i == last, j + 1 < end))(
+                            functools.partial(load_v, j + 1))
                     dsT_KxQ = score_grads(pT_KxQ, dpT_KxQ)
                     if full:
                         plgpu.wgmma(grad_refs[0], dsT_KxQ, q_blk)
@@ -212,15 +230,19 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
             lax.fori_loop(waited, q_end, wait_streamed, None)
             plgpu.barrier_wait(kv_barrier(j, 0))
             plgpu.barrier_wait(kv_barrier(j, 1))
-            # the next key block into the other slot, read out before j
-            pl.when(j + 1 < end)(functools.partial(load_k, j + 1))
-            pl.when(j + 1 < end)(functools.partial(load_v, j + 1))
+            if kv_slots > 1:  # the next key block into the other slot, read out before j
+                pl.when(j + 1 < end)(functools.partial(load_k, j + 1))
+                pl.when(j + 1 < end)(functools.partial(load_v, j + 1))
             zeros = zero_tile(block, head_dim)
             grads = lax.fori_loop(jnp.maximum(q_first, first), q_end,
-                                  functools.partial(step, j=j, full=full,
+                                  functools.partial(step, j=j, last=q_end - 1, full=full,
                                                     k_tile=k_own.at[c, kv_slot(j)],
                                                     v_tile=v_own.at[c, kv_slot(j)]),
                                   (zeros, zeros))
+            if kv_slots == 1:  # K read out (on the GPU, V's load is issued in the last step)
+                if interpret:
+                    pl.when(j + 1 < end)(functools.partial(load_v, j + 1))
+                pl.when(j + 1 < end)(functools.partial(load_k, j + 1))
             if full:
                 cols = pl.ds(j * block, block)
                 dk_KxD, dv_KxD = grads
@@ -278,14 +300,15 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
     heads, windows = selected_heads(plan, heads)
     stages = max(band_blocks(w, STRIP_BLOCK) for w in windows)
     dq_slots = dq_tiles(stages)
-    sub = config.sub_blocks
+    sub, kv_slots = config.sub_blocks, config.kv_slots
     num_tiles = cdiv(cdiv(Tp // STRIP_BLOCK, sub), PAIRS)
     tile = plgpu.SMEM((PAIRS, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
-    kv = plgpu.SMEM((PAIRS, KV_SLOTS, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
+    kv = plgpu.SMEM((PAIRS, kv_slots, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
     ring = plgpu.SMEM((PAIRS, stages, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
     rows = plgpu.SMEM((PAIRS, stages, STRIP_BLOCK), jnp.float32)
     acc = plgpu.SMEM((PAIRS, dq_slots, STRIP_BLOCK, Dp), jnp.float32)
     static = dict(heads=heads, windows=windows, sub=sub, stages=stages, dq_slots=dq_slots,
+                  kv_slots=kv_slots,
                   seq_len=Tp, score_scale=plan.scale * LOG2_E, scale=plan.scale,
                   interpret=plan.interpret)
 
@@ -295,7 +318,7 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
                                     dk_ref, dv_ref, scoped, **static),
             [kv, kv, ring, ring, rows, rows, tile, acc],
             (plgpu.Barrier(num_barriers=PAIRS * stages),) * 4
-            + (plgpu.Barrier(num_barriers=2 * PAIRS * KV_SLOTS),),
+            + (plgpu.Barrier(num_barriers=2 * PAIRS * kv_slots),),
             (plgpu.Barrier(num_arrivals=1, num_barriers=PAIRS * stages),),
             collective_axes="wg")
 

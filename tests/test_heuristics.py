@@ -724,6 +724,9 @@ def test_current_gpu_is_the_abstract_meshs_gpu(kind, hopper):
     pytest.param(lambda: StripBackwardConfig(sub_blocks=0),
                  "StripBackwardConfig.sub_blocks: expected an int >= 1, got 0",
                  id="strip-backward-sub-blocks"),
+    pytest.param(lambda: StripBackwardConfig(kv_slots=3),
+                 "StripBackwardConfig.kv_slots: expected one of (1, 2), got 3",
+                 id="strip-backward-kv-slots"),
     pytest.param(lambda: Launch("strip", (0,), HopperForwardConfig()),
                  "Launch.config: expected StripConfig or StripBackwardConfig for lowering "
                  "'strip'", id="launch-config-type"),

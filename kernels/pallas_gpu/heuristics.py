@@ -254,7 +254,7 @@ def strip_config(case: Case, heads: tuple[int, ...]) -> StripConfig:
     return StripConfig(strip_blocks=strip, consumers=STRIP_CONSUMERS, one_pass=one_pass)
 
 
-def strip_backward_fits(case: Case, heads: tuple[int, ...], kv_slots: int = 2) -> bool:
+def strip_backward_fits(case: Case, heads: tuple[int, ...], kv_slots: int) -> bool:
     """The fused strip backward with ``kv_slots`` K/V slots a consumer takes these local heads:
     D=64, and buffers for the widest window that fit shared memory with ``SMEM_SPARE`` left.
     With two slots (the next key block's loads under the current one) that is windows up to
@@ -272,7 +272,7 @@ def one_slot_strip_backward(case: Case, heads: tuple[int, ...]) -> bool:
     query block of the band is masked, that costs more than the Triton kernels save."""
     windows = {case.windows[h] for h in heads}
     return (len(windows) == 1 and min(windows) >= 2 * STRIP_BLOCK
-            and strip_backward_fits(case, heads, kv_slots=1))
+            and strip_backward_fits(case, heads, 1))
 
 
 def strip_backward_config(case: Case, heads: tuple[int, ...]) -> StripBackwardConfig:
@@ -282,7 +282,7 @@ def strip_backward_config(case: Case, heads: tuple[int, ...]) -> StripBackwardCo
     num_blocks = cdiv(case.seq_len, STRIP_BLOCK)
     sub = max(1, cdiv(num_blocks, strip_backward.PAIRS * _programs_per_row(case, heads)))
     return StripBackwardConfig(sub_blocks=sub,
-                               kv_slots=2 if strip_backward_fits(case, heads) else 1)
+                               kv_slots=2 if strip_backward_fits(case, heads, 2) else 1)
 
 
 def _local_on_hopper_forward(case: Case) -> bool:
@@ -325,7 +325,7 @@ def backward_launches(case: Case) -> tuple[Launch, ...]:
     short_narrow = case.head_dim <= 64 and case.seq_len < SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
     if short_narrow or case.num_kv_heads != case.num_heads:
         return triton_all
-    if strip_backward_fits(case, local) or one_slot_strip_backward(case, local):
+    if strip_backward_fits(case, local, 2) or one_slot_strip_backward(case, local):
         local_launch = Launch("strip", local, strip_backward_config(case, local))
     elif glob:
         local_launch = Launch("triton", local, triton_config(case))

@@ -147,7 +147,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
             q_blk, do_blk = q_ring.at[c, slot], do_ring.at[c, slot]
             if one_window:  # i - j picks the mask; its bounds are static
                 ok_KxQ = lax.switch(i - j, [functools.partial(band_mask, offset)
-                                            for offset in range(band_blocks(windows[0], block))])
+                                            for offset in range(stages)])
             else:  # the band rule on query minus key positions (one difference of iotas)
                 gap_KxQ = (tile_iota(block, block, 1) - tile_iota(block, block, 0)
                            + (i - j) * block)

@@ -99,11 +99,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
     def slot_of(i):
         return ring_slot(i, first, stages)
 
-    def band_mask(offset: int):
-        """The mask of key block j against query block j + offset (heads of one window)."""
+    def band_masked(offset: int, x_KxQ):
+        """``x_KxQ`` of key block j against query block j + offset, its entries outside the
+        band ``MASKED_SCORE`` (heads of one window: static bounds, none inside the band)."""
         ok_KxQ = static_tile_allowed(offset * block, block, block, windows[0],
                                      keys_on_rows=True)
-        return tile_iota(block, block, 0) >= 0 if ok_KxQ is None else ok_KxQ
+        return x_KxQ if ok_KxQ is None else jnp.where(ok_KxQ, x_KxQ, MASKED_SCORE)
 
     @pl.when(wg < PAIRS)
     def _consumer():
@@ -146,20 +147,22 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
             slot = slot_of(i)
             q_blk, do_blk = q_ring.at[c, slot], do_ring.at[c, slot]
             if one_window:  # i - j picks the mask; its bounds are static
-                ok_KxQ = lax.switch(i - j, [functools.partial(band_mask, offset)
-                                            for offset in range(stages)])
+                def masked(x_KxQ):
+                    return lax.switch(i - j, [functools.partial(band_masked, offset)
+                                              for offset in range(stages)], x_KxQ)
             else:  # the band rule on query minus key positions (one difference of iotas)
                 gap_KxQ = (tile_iota(block, block, 1) - tile_iota(block, block, 0)
                            + (i - j) * block)
-                ok_KxQ = allowed(gap_KxQ, 0, window)
+
+                def masked(x_KxQ):
+                    return jnp.where(allowed(gap_KxQ, 0, window), x_KxQ, MASKED_SCORE)
             lse_Q = plgpu.load(lse_ring.at[c, slot], layout=plgpu.Layout.WGMMA.reduce(0))
             delta_Q = plgpu.load(delta_ring.at[c, slot], layout=plgpu.Layout.WGMMA.reduce(0))
             dq_slot = dq_acc.at[c, lax.rem(i - first, jnp.int32(dq_slots))]
 
-            def probabilities(sT_KxQ):
-                sT_KxQ = jnp.where(ok_KxQ, sT_KxQ, MASKED_SCORE)
-                return jnp.exp2(sT_KxQ * score_scale
-                                - lax.broadcast_in_dim(lse_Q, sT_KxQ.shape, [1]))
+            def probabilities(sT_KxQ):  # masked after the scale and lse2: one fma an entry
+                return jnp.exp2(masked(sT_KxQ * score_scale
+                                       - lax.broadcast_in_dim(lse_Q, sT_KxQ.shape, [1])))
 
             def score_grads(pT_KxQ, dpT_KxQ):
                 dsT_KxQ = pT_KxQ * (dpT_KxQ - lax.broadcast_in_dim(delta_Q, dpT_KxQ.shape, [1]))

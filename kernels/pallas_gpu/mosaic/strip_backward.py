@@ -55,6 +55,9 @@ PAIRS = 2  # consumer/producer pairs a program holds (warpgroups 0..1 consume, 2
 # registers per thread of a consumer and of a producer: (2 * 232 + 2 * 24) * 128 = 65536, what
 # a program of four warpgroups launches with
 REGISTERS = (232, 24)
+# the float32 dQ tiles: 8x32 tiles, 128-byte swizzle, so that a consumer reads and writes
+# them in the wgmma layout without bank conflicts
+DQ_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
 def dq_tiles(stages: int) -> int:
@@ -309,7 +312,8 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
     kv = plgpu.SMEM((PAIRS, kv_slots, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
     ring = plgpu.SMEM((PAIRS, stages, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
     rows = plgpu.SMEM((PAIRS, stages, STRIP_BLOCK), jnp.float32)
-    acc = plgpu.SMEM((PAIRS, dq_slots, STRIP_BLOCK, Dp), jnp.float32)
+    acc = plgpu.SMEM((PAIRS, dq_slots, STRIP_BLOCK, Dp), jnp.float32,
+                     transforms=DQ_TRANSFORMS)
     static = dict(heads=heads, windows=windows, sub=sub, stages=stages, dq_slots=dq_slots,
                   kv_slots=kv_slots,
                   seq_len=Tp, score_scale=plan.scale * LOG2_E, scale=plan.scale,

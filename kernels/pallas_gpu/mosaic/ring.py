@@ -60,9 +60,12 @@ def selected_heads(plan, heads: tuple[int, ...]):
 
 
 def launch(body, out_type, *, num_heads: int, num_tiles: int, batch: int, interpret: bool,
-           warpgroups: int):
+           warpgroups: int, auto_barriers: bool = True):
     """``plgpu.kernel`` over the grid (head, tile, batch) with ``warpgroups`` warpgroups "wg"
-    (consumers and producers), in Pallas' GPU interpreter when ``interpret``."""
+    (consumers and producers), in Pallas' GPU interpreter when ``interpret``. Without
+    ``auto_barriers`` a store to shared memory is not fenced by warpgroup barriers: only for
+    a body whose stored tiles are read back by the threads that stored them, in the same
+    layout, or handed to the TMA and tensor cores through ``commit_smem``."""
     extra = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -71,7 +74,9 @@ def launch(body, out_type, *, num_heads: int, num_tiles: int, batch: int, interp
         body, out_type=out_type, grid=(num_heads, num_tiles, batch),
         grid_names=("heads", "tile", "batch"),
         num_threads=warpgroups, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True), **extra)
+        compiler_params=plgpu.CompilerParams(approx_math=True,
+                                             unsafe_no_auto_barriers=not auto_barriers),
+        **extra)
     # a launch without outputs takes refs (run_into), which it wraps whole
     return on_platform("cuda", kernel) if out_type else kernel
 

@@ -331,7 +331,7 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
 
     def run(out_type):
         return launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
-                      interpret=plan.interpret, warpgroups=2 * PAIRS)
+                      interpret=plan.interpret, warpgroups=2 * PAIRS, auto_barriers=False)
 
     inputs = (q, k, v, do, lse2, row_delta(out, do, heads))
     if prefilled:  # write into the earlier launches' buffers (aliased, not copied)

@@ -30,6 +30,25 @@ def test_every_table_names_card_commit_and_a_command():
             assert command.split()[0] in ("python", "time"), (t["file"], command)
 
 
+LS_MIX_TABLES = ("10_kernel_d128", "11_kernel_d64", "12_kernel_d32")
+
+
+def test_readme_result_gives_the_ls_mix_tables_ranges():
+    """The README's result sentence states the lowest and highest ratio to the cuDNN
+    composition, forward and forward+backward, over the LS-mix tables, and their card."""
+    tables = [t for t in perf_page.load_tables()
+              if os.path.splitext(os.path.basename(t["file"]))[0] in LS_MIX_TABLES]
+    assert len(tables) == len(LS_MIX_TABLES)
+    fwd = [r["r_fwd"] for t in tables for r in t["rows"]]
+    fb = [r["r_fb"] for t in tables for r in t["rows"]]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = " ".join(f.read().split())
+    assert (f"{min(fwd):.2f}-{max(fwd):.2f}x faster forward and "
+            f"{min(fb):.2f}-{max(fb):.2f}x faster forward + backward") in readme
+    cards = {t["card"].split(",")[0] for t in tables}
+    assert len(cards) == 1 and f"On an {cards.pop().removeprefix('NVIDIA ')} " in readme
+
+
 @pytest.mark.parametrize("field", ["card", "commit", "commands"])
 def test_a_table_without_its_provenance_is_refused(tmp_path, field):
     table = {"section": "kernel", "title": "t", "card": "c", "commit": "abc1234",

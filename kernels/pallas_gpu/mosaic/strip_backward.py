@@ -26,12 +26,12 @@ For heads of one window, the offset of a query block from the key block picks it
 bounds are then static: one compare an element for each bound that cuts the tile (a tile
 inside the band has none). The mask applies to the exponent after the scale and lse2 (one fma
 an entry). The products accumulate in the Triton kernels' order (dQ over key blocks, dK and
-dV over query blocks, ascending). delta = rowsum(O * dO) comes from one XLA
-pass before the launch. The float32 dQ tiles are swizzled like the bf16 ones, so that their
-wgmma-layout loads and stores are free of bank conflicts. The stores to shared memory go
-without Pallas' automatic barriers: a consumer reads its dQ tiles back in the layout it wrote
-them (each thread its own entries), and hands the staging tile to the tensor cores and the
-TMA through ``commit_smem``, after waiting for the TMA's last read of it.
+dV over query blocks, ascending). delta = rowsum(O * dO) comes from one XLA pass before the
+launch. The float32 dQ tiles are swizzled like the bf16 ones, so that their wgmma-layout loads
+and stores are free of bank conflicts. The stores to shared memory go without Pallas'
+automatic barriers: a consumer reads its dQ tiles back in the layout it wrote them (each
+thread its own entries), and hands the staging tile to the tensor cores and the TMA through
+``commit_smem``, after waiting for the TMA's last read of it.
 
 Interpret mode (CPU tests) runs it in Pallas' GPU interpreter, where each product is a plain
 dot of the same operands (``ring.mma``).

@@ -18,7 +18,10 @@ through a ring of shared-memory slots once each:
   in one pass: the tiles sit at fixed offsets from the query block, so their masks have static
   bounds; no running max and no rescaled accumulator. The first blocks take the online loop;
 * outputs go out through a per-consumer shared-memory tile and TMA, as in
-  ``forward.py``: out, lse2 (log2 domain) and, when asked, each row's max |logit|.
+  ``forward.py``: out, lse2 (log2 domain) and, when asked, each row's max |logit|. Those
+  tiles are its only stores to shared memory, so it runs without Pallas' automatic
+  barriers: a consumer writes them after waiting for the TMA's last read of them and hands
+  them to the TMA through ``commit_smem`` (both end in a warpgroup barrier).
 
 Used for the local heads at D=64 where ``heuristics.forward_launches`` says so; the global
 heads of a mix run first on ``forward.py`` and this kernel writes the local heads' rows into
@@ -231,7 +234,7 @@ def forward_call(plan, config: StripConfig, heads: tuple[int, ...], q, k, v, pre
 
     def run(out_type):
         return launch(entry, out_type, num_heads=len(heads), num_tiles=num_strips, batch=B,
-                      interpret=interpret, warpgroups=consumers + 1)
+                      interpret=interpret, warpgroups=consumers + 1, auto_barriers=False)
 
     if prefilled:  # write into the earlier launch's buffers (aliased, not copied)
         outs = run_into(run(()), (q, k, v), prefilled)

@@ -9,8 +9,8 @@ and each query block i of its band computes, from one S^T and one dP^T,
 
 dK_j and dV_j stay in registers while the consumer walks j's band. dQ_i gathers the
 contributions of the key blocks j <= i in a ring of float32 tiles in shared memory: the
-first key block whose band reaches i starts it (its slot holds zeros), the diagonal block
-(j = i) finishes it and writes it out. So that every query block of a sub-strip is whole in
+first key block whose band reaches i starts it from zeros, the diagonal block (j = i)
+finishes it and writes it out. So that every query block of a sub-strip is whole in
 it, a consumer first walks the key blocks before its sub-strip whose bands reach its first
 query block, for dQ only (the warm-up); the query blocks past the sub-strip get only dK/dV
 contributions (the next sub-strip's warm-up computes their dQ).
@@ -168,6 +168,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
             delta_Q = plgpu.load(delta_ring.at[c, slot], layout=plgpu.Layout.WGMMA.reduce(0))
             dq_slot = dq_acc.at[c, lax.rem(i - first, jnp.int32(dq_slots))]
 
+            def dq_start():  # i's first key block starts dQ from zeros, a later one adds
+                return lax.cond(j == kv_block_range(i, block, block, window, seq_len)[0],
+                                lambda: zero_tile(block, head_dim),
+                                lambda: plgpu.load(dq_slot, layout=plgpu.Layout.WGMMA))
+
             def probabilities(sT_KxQ):  # masked after the scale and lse2: one fma an entry
                 return jnp.exp2(masked(sT_KxQ * score_scale
                                        - lax.broadcast_in_dim(lse_Q, sT_KxQ.shape, [1])))
@@ -188,7 +193,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
                     dk_KxD = mma(dk_KxD, dsT_KxQ, q_blk, transpose_b=False, interpret=True)
                     grads = dk_KxD, dv_KxD
                 stage_ds(dsT_KxQ)
-                dq_QxD = mma(plgpu.load(dq_slot, layout=plgpu.Layout.WGMMA), dsT_KxQ.T,
+                dq_QxD = mma(dq_start(), dsT_KxQ.T,
                              k_tile, transpose_b=False, interpret=True)
             else:  # S^T and dP^T together, dV under dP^T, then dK; dQ once they are done
                 def products(sT_ref, dpT_ref, grad_refs=None):
@@ -220,14 +225,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
                 def accumulate_dq(dq_ref):
                     plgpu.wgmma(dq_ref, ds.transpose((1, 0)), k_tile)
 
-                dq_QxD = pl.run_state(accumulate_dq)(
-                    plgpu.ACC.init(plgpu.load(dq_slot, layout=plgpu.Layout.WGMMA)))
+                dq_QxD = pl.run_state(accumulate_dq)(plgpu.ACC.init(dq_start()))
 
             @pl.when(jnp.logical_and(i < end, i == j))  # i's last contribution: out
             def _finish():
                 stage_ds((dq_QxD * scale).astype(dtype))
                 plgpu.copy_smem_to_gmem(ds, dq_ref.at[b, pl.ds(i * block, block), h])
-                dq_slot[...] = zero_tile(block, head_dim)
 
             @pl.when(jnp.logical_and(i < end, i != j))
             def _keep():
@@ -265,8 +268,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
 
         @pl.when(has_work)
         def _walk():
-            for s in range(dq_slots):
-                dq_acc.at[c, s][...] = zero_tile(block, head_dim)
             load_k(kv_start)
             load_v(kv_start)
             waited = lax.fori_loop(kv_start, first, functools.partial(key_block, full=False),

@@ -29,7 +29,9 @@ INTRO = """\
 
 Measured tables with card, commit and the commands that regenerate them, written by `python
 bench/perf_page.py` from `docs/performance/*.json` (`tests/test_perf_page.py` checks that the
-two agree). Why the kernels are built as they are: [kernel-notes.md](kernel-notes.md).
+two agree). A kernel table's commands are rerun, and its rows rewritten, by `python
+bench/kernel_tables.py docs/performance/<table>.json`. Why the kernels are built as they are:
+[kernel-notes.md](kernel-notes.md).
 
 How to read the kernel tables (`bench/attention.py`):
 

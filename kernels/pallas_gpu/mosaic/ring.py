@@ -63,9 +63,11 @@ def launch(body, out_type, *, num_heads: int, num_tiles: int, batch: int, interp
            warpgroups: int, auto_barriers: bool = True):
     """``plgpu.kernel`` over the grid (head, tile, batch) with ``warpgroups`` warpgroups "wg"
     (consumers and producers), in Pallas' GPU interpreter when ``interpret``. Without
-    ``auto_barriers`` a store to shared memory is not fenced by warpgroup barriers: only for
-    a body whose stored tiles are read back by the threads that stored them, in the same
-    layout, or handed to the TMA and tensor cores through ``commit_smem``."""
+    ``auto_barriers`` neither a store to shared memory nor a TMA load into it waits for the
+    warpgroup's other threads: only for a body whose stored tiles are read back by the
+    threads that stored them, in the same layout, or handed to the TMA and tensor cores
+    through ``commit_smem``, and whose loads go into tiles whose last reads (products) it has
+    waited for, as a ring's release after a product does."""
     extra = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams

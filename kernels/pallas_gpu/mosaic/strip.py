@@ -18,10 +18,11 @@ through a ring of shared-memory slots once each:
   in one pass: the tiles sit at fixed offsets from the query block, so their masks have static
   bounds; no running max and no rescaled accumulator. The first blocks take the online loop;
 * outputs go out through a per-consumer shared-memory tile and TMA, as in
-  ``forward.py``: out, lse2 (log2 domain) and, when asked, each row's max |logit|. Those
-  tiles are its only stores to shared memory, so it runs without Pallas' automatic
-  barriers: a consumer writes them after waiting for the TMA's last read of them and hands
-  them to the TMA through ``commit_smem`` (both end in a warpgroup barrier).
+  ``forward.py``: out, lse2 (log2 domain) and, when asked, each row's max |logit|. It runs
+  without Pallas' automatic barriers (``ring.launch``): those tiles, its only stores to
+  shared memory, are written after the wait for the TMA's last read of them and handed to
+  the TMA through ``commit_smem`` (both end in a warpgroup barrier), and a consumer loads
+  its next Q into the slot whose products it has waited for.
 
 Used for the local heads at D=64 where ``heuristics.forward_launches`` says so; the global
 heads of a mix run first on ``forward.py`` and this kernel writes the local heads' rows into

@@ -191,3 +191,20 @@ def test_a_table_without_a_known_row_kind_is_refused(table_file, capsys):
     assert kernel_tables.main([str(path), "--rows", *outputs, "--commit", "a",
                                "--card", "H200"]) == 1
     assert "rows_from: expected one of" in capsys.readouterr().err
+
+
+def test_without_saved_rows_the_commands_run_here(table_file, monkeypatch):
+    path, _ = table_file
+    ran = []
+
+    def run(command):
+        ran.append(command)
+        return made_up_rows(command)
+
+    monkeypatch.setattr(kernel_tables, "run_command", run)
+    monkeypatch.setattr(kernel_tables, "current_card", lambda: "NVIDIA H200, jax 0.11.2")
+    monkeypatch.setattr(kernel_tables, "current_commit", lambda: "abc1234")
+    assert kernel_tables.main([str(path)]) == 0
+    table = json.loads(path.read_text())
+    assert ran == table["commands"]
+    assert (table["commit"], table["card"]) == ("abc1234", "NVIDIA H200, jax 0.11.2")

@@ -30,6 +30,8 @@ KEY = ("D", "n", "p", "mix", "impl")
 def prepare(tree: pathlib.Path) -> pathlib.Path:
     """A directory whose ``ls_jax`` package holds ``kernels`` and ``configs`` (links made in a
     tree that keeps them beside it)."""
+    if not (tree / "bench" / "attention.py").is_file() or not (tree / "ls_jax").is_dir():
+        raise SystemExit(f"error: {tree}: expected a source tree (bench/attention.py, ls_jax/)")
     for name in ("kernels", "configs"):
         link = tree / "ls_jax" / name
         if not link.exists():

@@ -74,3 +74,12 @@ def test_rounds_below_one_are_refused(tmp_path):
     with pytest.raises(SystemExit) as exit_:
         compare.main(["--old", str(tmp_path), "--rounds", "0"])
     assert exit_.value.code == 2
+
+
+def test_a_folder_that_is_no_source_tree_is_refused(tmp_path, log):
+    old = make_tree(tmp_path, "main", 1.0)
+    with pytest.raises(SystemExit) as exit_:
+        compare.main(["--old", str(old), "--new", str(tmp_path / "missing")])
+    assert str(exit_.value) == (f"error: {tmp_path / 'missing'}: expected a source tree "
+                                "(bench/attention.py, ls_jax/)")
+    assert not log.exists()

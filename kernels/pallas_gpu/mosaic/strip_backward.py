@@ -193,8 +193,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
                     dk_KxD = mma(dk_KxD, dsT_KxQ, q_blk, transpose_b=False, interpret=True)
                     grads = dk_KxD, dv_KxD
                 stage_ds(dsT_KxQ)
-                dq_QxD = mma(dq_start(), dsT_KxQ.T,
-                             k_tile, transpose_b=False, interpret=True)
+                dq_QxD = mma(dq_start(), dsT_KxQ.T, k_tile, transpose_b=False, interpret=True)
             else:  # S^T and dP^T together, dV under dP^T, then dK; dQ once they are done
                 def products(sT_ref, dpT_ref, grad_refs=None):
                     plgpu.wgmma(sT_ref, k_tile, q_blk.transpose((1, 0)))

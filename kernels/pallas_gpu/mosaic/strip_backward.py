@@ -30,8 +30,9 @@ dV over query blocks, ascending). delta = rowsum(O * dO) comes from one XLA pass
 launch. The float32 dQ tiles are swizzled like the bf16 ones, so that their wgmma-layout loads
 and stores are free of bank conflicts. The stores to shared memory go without Pallas'
 automatic barriers: a consumer reads its dQ tiles back in the layout it wrote them (each
-thread its own entries), and hands the staging tile to the tensor cores and the TMA through
-``commit_smem``, after waiting for the TMA's last read of it.
+thread its own entries), hands the staging tile to the tensor cores and the TMA through
+``commit_smem``, after waiting for the TMA's last read of it, and loads K and V into a slot
+only once it has waited for the products that read it (``ring.launch``).
 
 Interpret mode (CPU tests) runs it in Pallas' GPU interpreter, where each product is a plain
 dot of the same operands (``ring.mma``).

@@ -23,16 +23,17 @@ one; with one (``StripBackwardConfig.kv_slots``, for bands too wide for two) it 
 V after the current one's last dP^T and the next K after its last dQ, and waits on them.
 Nothing is shared between the pairs, so a consumer's dQ ring needs no other warpgroup's order.
 For heads of one window, the offset of a query block from the key block picks its mask, whose
-bounds are then static: one compare an element for each bound that cuts the tile (a tile
-inside the band has none). The mask applies to the exponent after the scale and lse2 (one fma
-an entry). The products accumulate in the Triton kernels' order (dQ over key blocks, dK and
-dV over query blocks, ascending). delta = rowsum(O * dO) comes from one XLA pass before the
-launch. The float32 dQ tiles are swizzled like the bf16 ones, so that their wgmma-layout loads
-and stores are free of bank conflicts. The stores to shared memory go without Pallas'
-automatic barriers: a consumer reads its dQ tiles back in the layout it wrote them (each
-thread its own entries), hands the staging tile to the tensor cores and the TMA through
-``commit_smem``, after waiting for the TMA's last read of it, and loads K and V into a slot
-only once it has waited for the products that read it (``ring.launch``).
+bounds are then static: one compare an element for each bound that cuts the tile (a tile inside
+the band has none). The mask applies to the exponent after the scale and lse2 (one fma an
+entry). The products accumulate in the Triton kernels' order (dQ over key blocks, dK and dV
+over query blocks, ascending). delta = rowsum(O * dO) comes from one XLA pass before the
+launch, a row per head of the launch (no rows for the others). The float32 dQ tiles are
+swizzled like the bf16 ones, so that their wgmma-layout loads and stores are free of bank
+conflicts. The stores to shared memory go without Pallas' automatic barriers: a consumer reads
+its dQ tiles back in the layout it wrote them (each thread its own entries), hands the staging
+tile to the tensor cores and the TMA through ``commit_smem``, after waiting for the TMA's last
+read of it, and loads K and V into a slot only once it has waited for the products that read it
+(``ring.launch``).
 
 Interpret mode (CPU tests) runs it in Pallas' GPU interpreter, where each product is a plain
 dot of the same operands (``ring.mma``).
@@ -51,7 +52,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ls_jax.kernels.band import allowed, band_blocks, cdiv, kv_block_range, q_block_range
 from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE
 from ls_jax.kernels.pallas_gpu.configs import STRIP_BLOCK, StripBackwardConfig
-from ls_jax.kernels.pallas_gpu.mosaic.backward import row_delta
+from ls_jax.kernels.pallas_gpu.mosaic.backward import heads_delta
 from ls_jax.kernels.pallas_gpu.mosaic.ring import (TILE_TRANSFORMS, launch, mma, produce,
                                                    program_ids, ring_slot, run_into,
                                                    selected_heads, static_tile_allowed,
@@ -290,8 +291,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
                                     do_loaded.at[n])
             plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[c, slot],
                                     lse_loaded.at[n])
-            plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_ring.at[c, slot],
-                                    delta_loaded.at[n])
+            plgpu.copy_gmem_to_smem(delta_ref.at[b, lax.axis_index("heads"), rows],
+                                    delta_ring.at[c, slot], delta_loaded.at[n])
 
         def wait_free(slot):
             plgpu.barrier_wait(free.at[c * stages + slot])
@@ -339,7 +340,7 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
         return launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
                       interpret=plan.interpret, warpgroups=2 * PAIRS, auto_barriers=False)
 
-    inputs = (q, k, v, do, lse2, row_delta(out, do, heads))
+    inputs = (q, k, v, do, lse2, heads_delta(out, do, heads))
     if prefilled:  # write into the earlier launches' buffers (aliased, not copied)
         return tuple(run_into(run(()), inputs, prefilled))
     return tuple(run([jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3)(*inputs))

@@ -29,18 +29,15 @@ INTRO = """\
 
 Measured tables with card, commit and the commands that regenerate them, written by `python
 bench/perf_page.py` from `docs/performance/*.json` (`tests/test_perf_page.py` checks that the
-two agree). A kernel table's commands are rerun, and its rows rewritten, by `python
-bench/kernel_tables.py docs/performance/<table>.json`. Why the kernels are built as they are:
-[kernel-notes.md](kernel-notes.md).
+two agree); `python bench/kernel_tables.py docs/performance/<table>.json` reruns a kernel
+table's commands. Why the kernels are built as they are: [kernel-notes.md](kernel-notes.md).
 
 How to read the kernel tables (`bench/attention.py`):
-
 - **Timing**: a sample is the mean of `--batch` back-to-back calls on fresh inputs (more if they
   last under 20 ms), a row the median of `--reps` samples after warm-up; ms; bf16, batch 4, 16
   query heads unless a row says otherwise. Compare inside a table, not across machines.
-- **Peers**: "comp." is the cuDNN composition (`implementation="cudnn"`: one cuDNN call for the
-  global heads, one with `local_window_size=(p-1, 0)` per window); "cuDNN" is
-  `jax.nn.dot_product_attention(implementation="cudnn", is_causal=True)`.
+- **Peers**: "comp." is `implementation="cudnn"` (one cuDNN call for the global heads, one per
+  window with `local_window_size=(p-1, 0)`); "cuDNN" is causal cuDNN `dot_product_attention`.
 - **Ratio** = the peer's time over ours (above 1, ours is faster). **% of floor** = the floor
   over ours: the larger of the band's FLOPs and bytes at the card's peaks (`bench/hardware.py`).
 - **Head mixes**: `1g15l` = 1 global + 15 local heads of window p, `local`/`global` every head

@@ -115,10 +115,10 @@ def test_a_kernel_count_the_plan_does_not_give_is_refused():
                            "NVIDIA H200, jax 0", "abc1234")
 
 
-def run(*argv):
+def run(*argv, **env):
     return subprocess.run([sys.executable, os.path.join(BENCH, "kernel_times.py"), *argv],
                           capture_output=True, text=True, cwd=ROOT,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", **env))
 
 
 def test_a_saved_csv_becomes_a_table_the_page_takes(tmp_path):
@@ -143,6 +143,14 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, argv, message):
     assert proc.returncode != 0
     assert message in proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "t.json").exists() and not os.path.exists(os.path.join(ROOT, "t.json"))
+
+
+def test_profiling_without_ncu_is_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "t.json"
+    proc = run("--out", str(out), PATH=str(tmp_path))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == "error: ncu (Nsight Compute) is not on PATH"
+    assert not out.exists()
 
 
 def test_the_committed_table_names_its_cases_kernels():

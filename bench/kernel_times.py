@@ -26,6 +26,7 @@ import sys
 import jax.numpy as jnp
 
 from attention import head_windows  # bench/, beside this script
+from parts import add_case_arguments  # bench/, beside this script
 from perf_page import recorded_args, write_table  # bench/, beside this script
 from ls_jax.kernels.pallas_gpu import heuristics
 
@@ -159,12 +160,7 @@ def profile(case_argv: list[str]) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="the JSON table to write")
-    ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--n", type=int, default=8192)
-    ap.add_argument("--p", type=int, default=128)
-    ap.add_argument("--mix", default="1g15l")
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--batch-size", type=int, default=4)
+    add_case_arguments(ap)
     ap.add_argument("--csv", help="a saved ncu CSV of the call, instead of profiling it")
     ap.add_argument("--card", help="with --csv: the GPU and jax, as '<device kind>, jax <v>'")
     ap.add_argument("--commit", help="the commit measured (default: git's HEAD here)")

@@ -130,15 +130,20 @@ def table(measured: dict, args) -> dict:
     }
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="the JSON table to write")
+def add_case_arguments(ap: argparse.ArgumentParser) -> None:
+    """The one case a table of where the time goes measures (default: the paper's layer)."""
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--p", type=int, default=128)
     ap.add_argument("--mix", default="1g15l")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--batch-size", type=int, default=4)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="the JSON table to write")
+    add_case_arguments(ap)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=5, help="back-to-back calls per sample")

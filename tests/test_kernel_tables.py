@@ -2,7 +2,6 @@
 bench/attention.py commands, checked on CPU with benchmark rows made up for those commands."""
 
 import argparse
-import importlib.util
 import json
 import os
 import shlex
@@ -10,22 +9,11 @@ import sys
 
 import pytest
 
+from bench_scripts import BENCH, load  # tests/, beside this file
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "bench")
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, BENCH)  # kernel_tables imports perf_page from beside it
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(BENCH)
-    return module
-
-
-kernel_tables = _load("kernel_tables")
+kernel_tables = load("kernel_tables")
 perf_page = kernel_tables.perf_page
 
 

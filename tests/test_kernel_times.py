@@ -2,7 +2,6 @@
 checked on CPU with ncu output made up for a plan."""
 
 import argparse
-import importlib.util
 import json
 import os
 import shlex
@@ -11,24 +10,13 @@ import sys
 
 import pytest
 
+from bench_scripts import BENCH, load  # tests/, beside this file
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "bench")
 TABLE = os.path.join(ROOT, "docs", "performance", "15_kernel_times.json")
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, BENCH)  # it imports attention and perf_page from beside it
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(BENCH)
-    return module
-
-
-kernel_times = _load("kernel_times")
-perf_page = _load("perf_page")
+kernel_times = load("kernel_times")
+perf_page = load("perf_page")
 heuristics = kernel_times.heuristics
 HOPPER = heuristics.gpu_of_kind("NVIDIA H200")
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'

@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from perf_page import write_table  # bench/, beside this script
+from perf_page import current_card, recorded_args, write_table  # bench/, beside this script
 from ls_jax.config import ModelConfig
 from ls_jax.inference.generate import (decode_loop_fn, decode_step, merge_flat,
                                        prefill_chunk_fn, split_flat)
@@ -395,7 +395,7 @@ def page_table(title: str, note: str, columns, rows, command: str, commit: str) 
     """A docs/performance table of this page's section (``bench/perf_page.py``'s format),
     measured on this process's first device."""
     return {"section": "inference", "title": title,
-            "card": f"{jax.devices()[0].device_kind}, jax {jax.__version__}",
+            "card": current_card(),
             "commit": commit, "commands": [command], "note": note, "columns": columns,
             "rows": rows}
 
@@ -403,8 +403,7 @@ def page_table(title: str, note: str, columns, rows, command: str, commit: str) 
 def table_command(argv, out_name: str) -> str:
     """The command line that wrote a table: this run's arguments without --commit and --out,
     with ``--out out_name``."""
-    kept = [a for i, a in enumerate(argv) if a not in ("--commit", "--out")
-            and not (i and argv[i - 1] in ("--commit", "--out"))]
+    kept = recorded_args(argv, ("--commit", "--out"))
     return " ".join(["python bench/inference.py"] + [f'"{a}"' if not a else a for a in kept]
                     + [f"--out {out_name}"])
 

@@ -178,16 +178,6 @@ def read_rows(lines) -> list[dict]:
     return [json.loads(line) for line in lines if line.startswith("{")]
 
 
-def current_card() -> str:
-    import jax
-    return f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
-
-
-def current_commit() -> str:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=perf_page.ROOT,
-                          capture_output=True, text=True).stdout.strip()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("table", help="the table's JSON file (docs/performance/*.json)")
@@ -209,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             outputs = [run_command(c) for c in table["commands"]]
         rows = table_rows(table, outputs)
-        card = args.card or current_card()
-        commit = args.commit or current_commit()
+        card = args.card or perf_page.current_card()
+        commit = args.commit or perf_page.current_commit()
     except (OSError, ValueError, KeyError, TypeError, TableError) as e:
         print(f"error: {args.table}: {e}", file=sys.stderr)
         return 1

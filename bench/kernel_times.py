@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from attention import head_windows  # bench/, beside this script
 from parts import add_case_arguments  # bench/, beside this script
-from perf_page import recorded_args, write_table  # bench/, beside this script
+from perf_page import current_card, current_commit, recorded_args, write_table  # bench/
 from ls_jax.kernels.pallas_gpu import heuristics
 
 METRICS = ("gpu__time_duration.sum", "launch__grid_size", "launch__registers_per_thread")
@@ -108,10 +108,6 @@ def table(kernels: list[dict], names: list[str], args, card: str, commit: str) -
     }
 
 
-def total_ms(table: dict) -> float:
-    return sum(row["ms"] for row in table["rows"])
-
-
 def child(args) -> None:
     """The profiled program: the call compiled and warmed up, then one call profiled."""
     import ctypes
@@ -128,19 +124,6 @@ def child(args) -> None:
     cuda.cuProfilerStart()
     jax.block_until_ready(fwd_bwd(*sets[-1]))
     cuda.cuProfilerStop()
-
-
-def without(argv: list[str], options: tuple[str, ...]) -> list[str]:
-    """``argv`` less ``options`` and their values (``--x v`` or ``--x=v``)."""
-    kept, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in options:
-            skip = True
-        elif not a.startswith(tuple(o + "=" for o in options)):
-            kept.append(a)
-    return kept
 
 
 def profile(case_argv: list[str]) -> str:
@@ -172,7 +155,7 @@ def main(argv=None):
         return child(args)
     if not args.out:
         ap.error("--out is required")
-    args.argv = without(recorded_args(argv), ("--csv", "--card"))
+    args.argv = recorded_args(argv, ("--commit", "--csv", "--card"))
     if args.csv:
         if not args.card or not args.commit:
             ap.error("--csv needs --card and --commit")
@@ -180,17 +163,15 @@ def main(argv=None):
             text = f.read()
         card = args.card
     else:
-        import jax
-        text = profile(without(args.argv, ("--out",)))
-        card = f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                           capture_output=True, text=True).stdout.strip()
+        text = profile(recorded_args(args.argv, ("--out",)))
+        card = current_card()
+    commit = args.commit or current_commit()
     gpu = heuristics.gpu_of_kind(card.split(",")[0])
     out = table(parse_ncu_csv(text), roles(case_of(args, gpu)), args, card, commit)
     write_table(args.out, out)
     for row in out["rows"]:
         print(f"{row['ms']:7.3f} ms  {row['share']:3.0f}%  {row['kernel']}")
-    print(f"{total_ms(out):7.3f} ms in all")
+    print(f"{sum(row['ms'] for row in out['rows']):7.3f} ms in all")
 
 
 if __name__ == "__main__":

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import time
 
-from perf_page import recorded_args, write_table  # bench/, beside this script
+from perf_page import current_card, current_commit, recorded_args, write_table  # bench/
 
 # the target: LS's step at least this many times faster than MHSA's
 TARGET = 2.2
@@ -89,17 +88,13 @@ def measure(args) -> dict[str, float]:
 
 
 def table(ms: dict[str, float], args) -> dict:
-    import jax
-
-    device = jax.devices()[0]
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                           capture_output=True, text=True).stdout.strip()
+    commit = args.commit or current_commit()
     rows = [{"variant": name, "ms": t, "x": ms["MHSA"] / t} for name, t in ms.items()]
     return {
         "section": "kernel",
         "title": (f"The model's train step (`train.py`'s), LS against MHSA, default backends: "
                   f"paper shape, T={args.seq_len}, batch {args.batch_size}"),
-        "card": f"{device.device_kind}, jax {jax.__version__}",
+        "card": current_card(),
         "commit": commit,
         "commands": [" ".join(["python bench/model_step.py"] + args.argv)],
         "columns": [{"header": "variant", "cell": "{variant}"},

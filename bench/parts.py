@@ -23,14 +23,13 @@ global at full occupancy). Then ``python bench/perf_page.py`` rewrites docs/perf
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 
 from attention import head_windows, make_input_sets, time_ms  # bench/, beside this script
-from perf_page import recorded_args, write_table  # bench/, beside this script
+from perf_page import current_card, current_commit, recorded_args, write_table  # bench/
 from ls_jax.kernels import ls_attention
 
 PARTS = ("all heads", "local heads", "global (ours)", "global (cuDNN)", "global, full",
@@ -101,9 +100,7 @@ def table(measured: dict, args) -> dict:
                   for i in (0, 1)],
     }
     c = measured["case"]
-    device = jax.devices()[0]
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                           capture_output=True, text=True).stdout.strip()
+    commit = args.commit or current_commit()
     note = (
         f"Limits of composition / ours, forward and forward+backward. Sum of parts, "
         f"composition / (local heads + global (ours)): {limits['sum'][0]:.2f}x and "
@@ -115,7 +112,7 @@ def table(measured: dict, args) -> dict:
         "section": "kernel",
         "title": (f"Where the time goes: {c['mix']} (p={c['window']}), B={c['batch']}, "
                   f"T={c['seq_len']}, D={c['head_dim']}"),
-        "card": f"{device.device_kind}, jax {jax.__version__}",
+        "card": current_card(),
         "commit": commit,
         "commands": [" ".join(["python bench/parts.py"] + args.argv)],
         "note": note,

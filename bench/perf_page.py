@@ -16,6 +16,7 @@ import argparse
 import glob
 import json
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -53,10 +54,30 @@ SECTIONS = {
 }
 
 
-def recorded_args(argv: list[str]) -> list[str]:
-    """A benchmark's arguments as its table's command records them: without ``--commit``."""
-    return [a for i, a in enumerate(argv)
-            if not a.startswith("--commit") and not (i and argv[i - 1] == "--commit")]
+def recorded_args(argv: list[str], drop: tuple[str, ...] = ("--commit",)) -> list[str]:
+    """A benchmark's arguments as its table's command records them: without the options
+    ``drop`` and their values (``--x v`` or ``--x=v``), ``--commit`` by default."""
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in drop:
+            skip = True
+        elif not a.startswith(tuple(o + "=" for o in drop)):
+            kept.append(a)
+    return kept
+
+
+def current_card() -> str:
+    """A table's ``card`` for a run here: the first device's kind and the jax version."""
+    import jax
+    return f"{jax.devices()[0].device_kind}, jax {jax.__version__}"
+
+
+def current_commit() -> str:
+    """A table's ``commit`` for a run here: this repository's HEAD, short."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                          capture_output=True, text=True).stdout.strip()
 
 
 def write_table(path: str, table: dict) -> None:

@@ -1,17 +1,15 @@
 """bench/compare.py: bench/attention.py from an old tree and one or more new ones, alternated
 round by round, and a table of new/old per new tree (run with stand-in benchmarks on CPU)."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 
+from bench_scripts import load  # tests/, beside this file
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("compare", os.path.join(ROOT, "bench",
-                                                                        "compare.py"))
-compare = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compare)
+compare = load("compare")
 
 # a stand-in bench/attention.py: one row whose times are the tree's, and a line in the log
 STAND_IN = """\

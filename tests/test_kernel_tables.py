@@ -190,8 +190,8 @@ def test_without_saved_rows_the_commands_run_here(table_file, monkeypatch):
         return made_up_rows(command)
 
     monkeypatch.setattr(kernel_tables, "run_command", run)
-    monkeypatch.setattr(kernel_tables, "current_card", lambda: "NVIDIA H200, jax 0.11.2")
-    monkeypatch.setattr(kernel_tables, "current_commit", lambda: "abc1234")
+    monkeypatch.setattr(perf_page, "current_card", lambda: "NVIDIA H200, jax 0.11.2")
+    monkeypatch.setattr(perf_page, "current_commit", lambda: "abc1234")
     assert kernel_tables.main([str(path)]) == 0
     table = json.loads(path.read_text())
     assert ran == table["commands"]

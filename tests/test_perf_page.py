@@ -1,17 +1,15 @@
 """docs/performance.md is what bench/perf_page.py writes from docs/performance/*.json: every
 table names its card, commit and commands, and the committed page matches its JSON files."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 
+from bench_scripts import load  # tests/, beside this file
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("perf_page",
-                                               os.path.join(ROOT, "bench", "perf_page.py"))
-perf_page = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(perf_page)
+perf_page = load("perf_page")
 
 
 def test_committed_page_matches_its_json():
@@ -152,3 +150,15 @@ def test_the_inference_benchmark_refuses_a_table_it_would_have_no_rows_for(tmp_p
     assert proc.stderr.strip().splitlines() == [
         f"error: {flag}: expected rows to write, got none: {named} name no value"]
     assert not table.exists() and not (tmp_path / "raw.json").exists()
+
+
+@pytest.mark.parametrize("argv,drop,want", [
+    pytest.param(["--out", "t.json", "--commit", "abc1234"], ("--commit",), ["--out", "t.json"],
+                 id="commit-and-value"),
+    pytest.param(["--commit=abc1234", "--p", "64"], ("--commit",), ["--p", "64"],
+                 id="commit-equals"),
+    pytest.param(["--csv", "x.csv", "--card=c", "--out", "t.json"], ("--csv", "--card"),
+                 ["--out", "t.json"], id="other-options"),
+])
+def test_a_tables_command_records_the_arguments_but_the_dropped(argv, drop, want):
+    assert perf_page.recorded_args(argv, drop) == want

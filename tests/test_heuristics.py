@@ -73,15 +73,17 @@ def strip_smem(window: int, head_dim: int, itemsize: int, consumers: int) -> int
     return tiles * STRIP_BLOCK * head_dim * itemsize + 2 * consumers * STRIP_BLOCK * 4
 
 
-def strip_backward_smem(window: int, head_dim: int, itemsize: int, kv_slots: int = 2) -> int:
+def strip_backward_smem(window: int, head_dim: int, itemsize: int, kv_slots: int = 2,
+                        o_slots: int = 0) -> int:
     """The fused strip backward's buffers, two consumer/producer pairs each: K and V
     (``kv_slots`` of each: the current key block's and with two the next one's), a ring of Q
     and dO tiles with lse and delta rows (as many slots as query blocks meet one key block), a
-    dS staging tile and float32 dQ tiles (one fewer than the ring's slots, at least one)."""
+    dS staging tile, float32 dQ tiles (one fewer than the ring's slots, at least one) and
+    ``o_slots`` O tiles (with none, each O tile takes half a dQ tile)."""
     tile = STRIP_BLOCK * head_dim * itemsize
     slots = (STRIP_BLOCK - 1 + window - 1) // STRIP_BLOCK + 1  # the key block's last key's band
     per_pair = (2 * kv_slots * tile + slots * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
-                + max(slots - 1, 1) * STRIP_BLOCK * head_dim * 4)
+                + max(slots - 1, 1) * STRIP_BLOCK * head_dim * 4 + o_slots * tile)
     return 2 * per_pair
 
 
@@ -271,7 +273,7 @@ def test_strip_backward_only_for_d64_local_heads_whose_buffers_fit():
     D=64, from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN``, with one kv head per query head, and where
     the buffers for the widest local window with two K/V slots fit shared memory, or with one
     for heads of one window of at least two blocks; the global heads then run on the Hopper
-    backward before it."""
+    backward before it. The O tiles have two of their own where they fit beside those."""
     count = {1: 0, 2: 0}
     for case, launches in grid():
         local = case.local_heads()
@@ -287,7 +289,10 @@ def test_strip_backward_only_for_d64_local_heads_whose_buffers_fit():
         strips = [l for l in launches.backward if l.lowering == "strip"]
         assert bool(strips) == want, describe(case)
         if strips:
-            assert strips[0].config.kv_slots == (2 if fits[2] else 1), describe(case)
+            kv_slots = 2 if fits[2] else 1
+            assert strips[0].config.kv_slots == kv_slots, describe(case)
+            own_o = strip_backward_smem(max(windows), 64, itemsize, kv_slots, 2) <= SMEM_USABLE
+            assert strips[0].config.o_slots == (2 if own_o else 0), describe(case)
             count[strips[0].config.kv_slots] += 1
             assert strips[0].heads == local and launches.backward[-1] is strips[0]
             if case.global_heads():
@@ -295,13 +300,14 @@ def test_strip_backward_only_for_d64_local_heads_whose_buffers_fit():
     assert count[1] > 0 and count[2] > 0
 
 
+@pytest.mark.parametrize("o_slots", [0, 2])
 @pytest.mark.parametrize("kv_slots", [1, 2])
-def test_strip_backward_smem_bytes_counts_its_buffers(kv_slots):
+def test_strip_backward_smem_bytes_counts_its_buffers(kv_slots, o_slots):
     """``strip_backward.smem_bytes`` (what ``strip_backward_fits`` decides by) is the kernel's
     buffers as counted here, for windows 1 to 300."""
     for window in range(1, 300):
-        assert (strip_backward.smem_bytes(window, 64, 2, kv_slots)
-                == strip_backward_smem(window, 64, 2, kv_slots)), window
+        assert (strip_backward.smem_bytes(window, 64, 2, kv_slots, o_slots)
+                == strip_backward_smem(window, 64, 2, kv_slots, o_slots)), window
 
 
 @pytest.mark.parametrize("window,want", [
@@ -727,6 +733,9 @@ def test_current_gpu_is_the_abstract_meshs_gpu(kind, hopper):
     pytest.param(lambda: StripBackwardConfig(kv_slots=3),
                  "StripBackwardConfig.kv_slots: expected one of (1, 2), got 3",
                  id="strip-backward-kv-slots"),
+    pytest.param(lambda: StripBackwardConfig(o_slots=3),
+                 "StripBackwardConfig.o_slots: expected one of (0, 1, 2), got 3",
+                 id="strip-backward-o-slots"),
     pytest.param(lambda: Launch("strip", (0,), HopperForwardConfig()),
                  "Launch.config: expected StripConfig or StripBackwardConfig for lowering "
                  "'strip'", id="launch-config-type"),

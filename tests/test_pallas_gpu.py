@@ -352,6 +352,15 @@ STRIP_BACKWARD_CASES = [
                  strip_backward(3, (1, 2), StripBackwardConfig(sub_blocks=3, kv_slots=1),
                                 first=[("hopper", (0,), BWD2)]),
                  id="one-kv-slot-two-windows-after-a-hopper-launch"),
+    # O tiles of their own, one or two query blocks ahead (above: in the dQ tiles)
+    pytest.param(bf16(2, 200, 4, 4, (1, 7, 64, 65)),
+                 strip_backward(4, None, StripBackwardConfig(sub_blocks=1, o_slots=2)),
+                 id="own-o-tiles-windows-1-to-65"),
+    pytest.param(bf16(1, 320, 3, 3, (None, 128, 100)),
+                 strip_backward(3, (1, 2), StripBackwardConfig(sub_blocks=2, kv_slots=1,
+                                                               o_slots=1),
+                                first=[("hopper", (0,), BWD2)]),
+                 id="one-own-o-tile-two-windows-after-a-hopper-launch"),
     # a sub-strip longer than the sequence: one pair of each program idle
     pytest.param(bf16(1, 192, 2, 2, (100, 3)),
                  strip_backward(2, None, StripBackwardConfig(sub_blocks=8)),
@@ -418,11 +427,29 @@ def test_row_delta_of_some_heads():
         want[:, h] = (out[:, :, h] * do[:, :, h]).sum(-1)
     np.testing.assert_allclose(mosaic_backward.row_delta(out, do, heads=(0, 2)), want,
                                rtol=1e-5, atol=1e-6)
-    compact = mosaic_backward.heads_delta(out, do, heads=(2, 0))  # the strips' operand
+    compact = mosaic_backward.heads_delta(out, do, heads=(2, 0))  # the heads' rows, in order
     np.testing.assert_allclose(compact, want[:, [2, 0]], rtol=1e-5, atol=1e-6)
     every = mosaic_backward.row_delta(out, do, heads=(0, 1, 2, 3))
     np.testing.assert_allclose(every[:, 1], (out[:, :, 1] * do[:, :, 1]).sum(-1), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_strip_backward_makes_delta_itself():
+    """The local heads' backward as strips reads O and makes delta in the kernel: the gradient
+    of an all-local call lowered for a Hopper GPU is the kernels' launches and no XLA
+    arithmetic on O and dO."""
+    from ls_jax.interop.export import export
+    q = jax.ShapeDtypeStruct((1, 8192, 4, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = ls_attention(q, k, v, (128,) * 4, implementation="pallas_gpu")
+        return jnp.sum(out.astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    text = export(grad, platforms=("cuda",), gpu="NVIDIA H100 80GB HBM3")(q, q, q).mlir_module()
+    ops = collections.Counter(re.findall(r"stablehlo\.(\w+)", text))
+    assert ops["custom_call"] >= 2  # the forward and the strip backward
+    assert not {"dot_general", "reduce", "multiply"} & set(ops), ops
 
 
 def test_interpreter_runs_three_consumers_only_with_processors_enough(monkeypatch):

@@ -146,14 +146,18 @@ class StripBackwardConfig:
     """The fused strip backward of local heads: each consumer walks ``sub_blocks`` consecutive
     ``STRIP_BLOCK``-key blocks of one head (after a warm-up over the key blocks before them
     that reach its first query block), the query side of their bands streamed once; with
-    ``kv_slots=2`` the next key block's K and V load while the current one is computed."""
+    ``kv_slots=2`` the next key block's K and V load while the current one is computed. The
+    forward's O tiles (for delta) load ``o_slots`` query blocks ahead into tiles of their own,
+    or with ``o_slots=0`` into the dQ tiles, each once its last share is out."""
 
     sub_blocks: int = 32
     kv_slots: int = 2
+    o_slots: int = 0
 
     def __post_init__(self):
         _check_count("StripBackwardConfig", "sub_blocks", self.sub_blocks)
         _check_choice("StripBackwardConfig", "kv_slots", self.kv_slots, (1, 2))
+        _check_choice("StripBackwardConfig", "o_slots", self.o_slots, (0, 1, 2))
 
     def blocks(self) -> tuple[int, ...]:
         return (STRIP_BLOCK,)

@@ -60,6 +60,10 @@ STRIP_MIN_SEQ_LEN = 4096
 STRIP_HEAD_DIM = 64  # three strip consumers' registers hold D=64 tiles; D=128 would spill
 STRIP_CONSUMERS = 3
 MAX_STRIP_BLOCKS = 128  # query blocks per strip
+# O tiles of their own in the strip backward, where they fit: the O of a query block then loads
+# once the block two before it has made its delta, under at least a key block's steps; in the
+# dQ tiles it has only the steps between its tile's last share and its first.
+STRIP_O_SLOTS = 2
 # A strip consumer softmaxes a band of at most this many key blocks in one pass (heads of one
 # window): their float32 score tiles (32 registers each) beside the accumulator fit its 160.
 ONE_PASS_MAX_BLOCKS = 3
@@ -254,14 +258,15 @@ def strip_config(case: Case, heads: tuple[int, ...]) -> StripConfig:
     return StripConfig(strip_blocks=strip, consumers=STRIP_CONSUMERS, one_pass=one_pass)
 
 
-def strip_backward_fits(case: Case, heads: tuple[int, ...], kv_slots: int) -> bool:
-    """The fused strip backward with ``kv_slots`` K/V slots a consumer takes these local heads:
-    D=64, and buffers for the widest window that fit shared memory with ``SMEM_SPARE`` left.
-    With two slots (the next key block's loads under the current one) that is windows up to
-    65, a band of two query blocks; with one, windows up to 129."""
+def strip_backward_fits(case: Case, heads: tuple[int, ...], kv_slots: int,
+                        o_slots: int = 0) -> bool:
+    """The fused strip backward with ``kv_slots`` K/V slots and ``o_slots`` O tiles a consumer
+    takes these local heads: D=64, and buffers for the widest window that fit shared memory
+    with ``SMEM_SPARE`` left. With two K/V slots (the next key block's loads under the current
+    one) that is windows up to 65, a band of two query blocks; with one, windows up to 129."""
     widest = max(case.windows[h] for h in heads)
     return (case.head_dim == STRIP_HEAD_DIM and strip_backward.smem_bytes(
-        widest, case.head_dim, jnp.dtype(case.dtype).itemsize, kv_slots)
+        widest, case.head_dim, jnp.dtype(case.dtype).itemsize, kv_slots, o_slots)
         <= SMEM_BYTES - SMEM_SPARE)
 
 
@@ -278,11 +283,13 @@ def one_slot_strip_backward(case: Case, heads: tuple[int, ...]) -> bool:
 def strip_backward_config(case: Case, heads: tuple[int, ...]) -> StripBackwardConfig:
     """Each (head, batch element) row cut into as many sub-strips as keep the programs (two
     sub-strips each) within one wave of the SMs, at least two a row; two K/V slots where they
-    fit, else one."""
+    fit, else one; ``STRIP_O_SLOTS`` O tiles of their own where they fit too, else O in the dQ
+    tiles."""
     num_blocks = cdiv(case.seq_len, STRIP_BLOCK)
     sub = max(1, cdiv(num_blocks, strip_backward.PAIRS * _programs_per_row(case, heads)))
-    return StripBackwardConfig(sub_blocks=sub,
-                               kv_slots=2 if strip_backward_fits(case, heads, 2) else 1)
+    kv_slots = 2 if strip_backward_fits(case, heads, 2) else 1
+    o_slots = STRIP_O_SLOTS if strip_backward_fits(case, heads, kv_slots, STRIP_O_SLOTS) else 0
+    return StripBackwardConfig(sub_blocks=sub, kv_slots=kv_slots, o_slots=o_slots)
 
 
 def _local_on_hopper_forward(case: Case) -> bool:

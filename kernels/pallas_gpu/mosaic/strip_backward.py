@@ -16,7 +16,7 @@ query block, for dQ only (the warm-up); the query blocks past the sub-strip get 
 contributions (the next sub-strip's warm-up computes their dQ).
 
 A program holds two independent pairs of warpgroups (a consumer and a producer each, on
-adjacent sub-strips): the producer streams the query side (Q, dO, lse2, delta) of its
+adjacent sub-strips): the producer streams the query side (Q, dO, lse2) of its
 consumer's sub-strip through a ring of shared-memory slots once; the consumer loads its own K
 and V blocks. With two K/V slots it loads the next key block's while it computes the current
 one; with one (``StripBackwardConfig.kv_slots``, for bands too wide for two) it loads the next
@@ -26,8 +26,14 @@ For heads of one window, the offset of a query block from the key block picks it
 bounds are then static: one compare an element for each bound that cuts the tile (a tile inside
 the band has none). The mask applies to the exponent after the scale and lse2 (one fma an
 entry). The products accumulate in the Triton kernels' order (dQ over key blocks, dK and dV
-over query blocks, ascending). delta = rowsum(O * dO) comes from one XLA pass before the
-launch, a row per head of the launch (no rows for the others). The float32 dQ tiles are
+over query blocks, ascending). delta = rowsum(O * dO) of query block i is the consumer's own:
+at i's first key block it reads i's O tile and its dO tile from shared memory, and writes the
+row into the query ring beside lse2. The consumer loads the O tiles itself, a ring of them
+ahead of its first key blocks: ``StripBackwardConfig.o_slots`` tiles of their own (O of block
+i + o_slots loads once i's delta is made), or, where they do not fit shared memory, in the dQ
+tiles (a union): the key block ``dq_tiles`` before i sends that tile's last share out and then
+loads i's O into it, so the load runs under at least one step, and i's first share replaces
+it. The float32 dQ tiles are
 swizzled like the bf16 ones, so that their wgmma-layout loads and stores are free of bank
 conflicts. The stores to shared memory go without Pallas' automatic barriers: a consumer reads
 its dQ tiles back in the layout it wrote them (each thread its own entries), hands the staging
@@ -52,7 +58,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ls_jax.kernels.band import allowed, band_blocks, cdiv, kv_block_range, q_block_range
 from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE
 from ls_jax.kernels.pallas_gpu.configs import STRIP_BLOCK, StripBackwardConfig
-from ls_jax.kernels.pallas_gpu.mosaic.backward import heads_delta
 from ls_jax.kernels.pallas_gpu.mosaic.ring import (TILE_TRANSFORMS, launch, mma, produce,
                                                    program_ids, ring_slot, run_into,
                                                    selected_heads, static_tile_allowed,
@@ -73,23 +78,25 @@ def dq_tiles(stages: int) -> int:
     return max(stages - 1, 1)
 
 
-def smem_bytes(window: int, head_dim: int, itemsize: int, kv_slots: int) -> int:
+def smem_bytes(window: int, head_dim: int, itemsize: int, kv_slots: int, o_slots: int) -> int:
     """Shared memory of one program: per pair, its K and V blocks (``kv_slots`` of each), the
     query-side ring (Q, dO tiles, lse2 and delta rows) of ``band_blocks`` slots, the dS^T
-    staging tile and the float32 dQ ring."""
+    staging tile, the float32 dQ ring and ``o_slots`` O tiles (none: they take the dQ tiles'
+    place in turn)."""
     tile = STRIP_BLOCK * head_dim * itemsize
     stages = band_blocks(window, STRIP_BLOCK)
     per_pair = (2 * kv_slots * tile + stages * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
-                + dq_tiles(stages) * STRIP_BLOCK * head_dim * 4)
+                + dq_tiles(stages) * STRIP_BLOCK * head_dim * 4 + o_slots * tile)
     return PAIRS * per_pair
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref, scoped,
-            *, heads, windows, sub, stages, dq_slots, kv_slots, seq_len, score_scale, scale,
+def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, dq_ref, dk_ref, dv_ref, scoped,
+            *, heads, windows, sub, stages, dq_slots, kv_slots, o_slots, seq_len, score_scale,
+            scale,
             interpret):
     smem, loaded, (free,) = scoped
-    k_own, v_own, q_ring, do_ring, lse_ring, delta_ring, ds_tile, dq_acc = smem
-    q_loaded, do_loaded, lse_loaded, delta_loaded, kv_loaded = loaded
+    k_own, v_own, q_ring, do_ring, lse_ring, delta_ring, ds_tile, (dq_acc, o_tiles) = smem
+    q_loaded, do_loaded, lse_loaded, o_loaded, kv_loaded = loaded
     b, h, window, wg = program_ids(heads, windows)
     pair = lax.rem(wg, jnp.int32(PAIRS))
     block = STRIP_BLOCK
@@ -105,6 +112,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
     stream_end = jnp.where(has_work, last_end, first)
 
     one_window = len(set(windows)) == 1
+    o_ring = o_slots or dq_slots  # O tiles: their own, or the dQ tiles
 
     def slot_of(i):
         return ring_slot(i, first, stages)
@@ -140,8 +148,31 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
                                     v_own.at[c, kv_slot(j)], kv_barrier(j, 1))
 
         def wait_streamed(i, _):
-            for barriers in (q_loaded, do_loaded, lse_loaded, delta_loaded):
+            for barriers in (q_loaded, do_loaded, lse_loaded):
                 plgpu.barrier_wait(barrier(barriers, i))
+
+        def o_tile(i):  # query block i's O tile (in the dQ tiles: i's own) and its barrier
+            n = lax.rem(i - first, jnp.int32(o_ring))
+            return o_tiles.at[c, n, 0], o_loaded.at[c * o_ring + n]
+
+        def load_o(i):
+            """O of query block i into its tile, if the pair's stream has the block."""
+            @pl.when(i < stream_end)
+            def _load():
+                plgpu.copy_gmem_to_smem(o_ref.at[b, pl.ds(i * block, block), h], *o_tile(i))
+
+        def make_delta(i, slot):
+            """delta = rowsum(O * dO) of query block i in float32, into its ring slot; then
+            (O tiles of their own) the next O into i's tile."""
+            tile, loaded = o_tile(i)
+            plgpu.barrier_wait(loaded)
+            o_QxD = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
+            do_QxD = plgpu.load(do_ring.at[c, slot], layout=plgpu.Layout.WGMMA)
+            delta_ring.at[c, slot][...] = (o_QxD.astype(jnp.float32)
+                                           * do_QxD.astype(jnp.float32)).sum(axis=1)
+            plgpu.commit_smem()  # the reads of i's O done: its tile may take the next
+            if o_slots:
+                load_o(i + o_slots)
 
         def release(i, _):
             plgpu.barrier_arrive(barrier(free, i))
@@ -166,13 +197,14 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
 
                 def masked(x_KxQ):
                     return jnp.where(allowed(gap_KxQ, 0, window), x_KxQ, MASKED_SCORE)
+            starts = j == kv_block_range(i, block, block, window, seq_len)[0]
+            pl.when(starts)(functools.partial(make_delta, i, slot))  # i's first key block
             lse_Q = plgpu.load(lse_ring.at[c, slot], layout=plgpu.Layout.WGMMA.reduce(0))
             delta_Q = plgpu.load(delta_ring.at[c, slot], layout=plgpu.Layout.WGMMA.reduce(0))
             dq_slot = dq_acc.at[c, lax.rem(i - first, jnp.int32(dq_slots))]
 
             def dq_start():  # i's first key block starts dQ from zeros, a later one adds
-                return lax.cond(j == kv_block_range(i, block, block, window, seq_len)[0],
-                                lambda: zero_tile(block, head_dim),
+                return lax.cond(starts, lambda: zero_tile(block, head_dim),
                                 lambda: plgpu.load(dq_slot, layout=plgpu.Layout.WGMMA))
 
             def probabilities(sT_KxQ):  # masked after the scale and lse2: one fma an entry
@@ -230,8 +262,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
 
             @pl.when(jnp.logical_and(i < end, i == j))  # i's last contribution: out
             def _finish():
-                stage_ds((dq_QxD * scale).astype(dtype))
+                stage_ds((dq_QxD * scale).astype(dtype))  # (fences off the reads of i's tile)
                 plgpu.copy_smem_to_gmem(ds, dq_ref.at[b, pl.ds(i * block, block), h])
+                if not o_slots:  # i's dQ tile takes the O tile of the block that reuses it
+                    load_o(i + dq_slots)
 
             @pl.when(jnp.logical_and(i < end, i != j))
             def _keep():
@@ -271,6 +305,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
         def _walk():
             load_k(kv_start)
             load_v(kv_start)
+            for n in range(o_ring):  # the ring of O tiles filled
+                load_o(first + n)
             waited = lax.fori_loop(kv_start, first, functools.partial(key_block, full=False),
                                    first)
             lax.fori_loop(first, end, functools.partial(key_block, full=True), waited)
@@ -291,8 +327,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_
                                     do_loaded.at[n])
             plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[c, slot],
                                     lse_loaded.at[n])
-            plgpu.copy_gmem_to_smem(delta_ref.at[b, lax.axis_index("heads"), rows],
-                                    delta_ring.at[c, slot], delta_loaded.at[n])
 
         def wait_free(slot):
             plgpu.barrier_wait(free.at[c * stages + slot])
@@ -305,15 +339,15 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
                   lse2, out, prefilled=()):
     """(dq, dk, dv), each [B, Tp, H, Dp] in q's dtype, for the local ``heads`` (one kv head
     per query head; their windows' buffers fit shared memory: ``smem_bytes``) on padded
-    inputs (Tp a multiple of ``STRIP_BLOCK``). delta = rowsum(O * dO) of these heads comes
-    from one XLA pass. prefilled: () or the (dq, dk, dv) of earlier launches, into which this
+    inputs (Tp a multiple of ``STRIP_BLOCK``); ``out`` is the forward's, from which the kernel
+    makes delta = rowsum(O * dO). prefilled: () or the (dq, dk, dv) of earlier launches, into which this
     one writes its heads' rows (other rows kept); without it the other heads' rows are left
     unwritten."""
     B, Tp, H, Dp = q.shape
     heads, windows = selected_heads(plan, heads)
     stages = max(band_blocks(w, STRIP_BLOCK) for w in windows)
     dq_slots = dq_tiles(stages)
-    sub, kv_slots = config.sub_blocks, config.kv_slots
+    sub, kv_slots, o_slots = config.sub_blocks, config.kv_slots, config.o_slots
     num_tiles = cdiv(cdiv(Tp // STRIP_BLOCK, sub), PAIRS)
     tile = plgpu.SMEM((PAIRS, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
     kv = plgpu.SMEM((PAIRS, kv_slots, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
@@ -321,18 +355,25 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
     rows = plgpu.SMEM((PAIRS, stages, STRIP_BLOCK), jnp.float32)
     acc = plgpu.SMEM((PAIRS, dq_slots, STRIP_BLOCK, Dp), jnp.float32,
                      transforms=DQ_TRANSFORMS)
+    if o_slots:  # O tiles of their own
+        dq_and_o = (acc, plgpu.SMEM((PAIRS, o_slots, 1, STRIP_BLOCK, Dp), q.dtype,
+                                    transforms=TILE_TRANSFORMS))
+    else:  # each float32 dQ tile holds two 16-bit tiles, the first O's
+        dq_and_o = plgpu.RefUnion(acc, plgpu.SMEM((PAIRS, dq_slots, 2, STRIP_BLOCK, Dp),
+                                                  q.dtype, transforms=TILE_TRANSFORMS))
     static = dict(heads=heads, windows=windows, sub=sub, stages=stages, dq_slots=dq_slots,
-                  kv_slots=kv_slots,
+                  kv_slots=kv_slots, o_slots=o_slots,
                   seq_len=Tp, score_scale=plan.scale * LOG2_E, scale=plan.scale,
                   interpret=plan.interpret)
 
-    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref):
+    def entry(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, dq_ref, dk_ref, dv_ref):
         pl.run_scoped(
-            lambda *scoped: _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+            lambda *scoped: _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, dq_ref,
                                     dk_ref, dv_ref, scoped, **static),
-            [kv, kv, ring, ring, rows, rows, tile, acc],
-            (plgpu.Barrier(num_barriers=PAIRS * stages),) * 4
-            + (plgpu.Barrier(num_barriers=2 * PAIRS * kv_slots),),
+            [kv, kv, ring, ring, rows, rows, tile, dq_and_o],
+            (plgpu.Barrier(num_barriers=PAIRS * stages),) * 3
+            + (plgpu.Barrier(num_barriers=PAIRS * (o_slots or dq_slots)),
+               plgpu.Barrier(num_barriers=2 * PAIRS * kv_slots)),
             (plgpu.Barrier(num_arrivals=1, num_barriers=PAIRS * stages),),
             collective_axes="wg")
 
@@ -340,7 +381,7 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
         return launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
                       interpret=plan.interpret, warpgroups=2 * PAIRS, auto_barriers=False)
 
-    inputs = (q, k, v, do, lse2, heads_delta(out, do, heads))
+    inputs = (q, k, v, do, lse2, out)
     if prefilled:  # write into the earlier launches' buffers (aliased, not copied)
         return tuple(run_into(run(()), inputs, prefilled))
     return tuple(run([jax.ShapeDtypeStruct(q.shape, q.dtype)] * 3)(*inputs))

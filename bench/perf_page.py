@@ -54,9 +54,15 @@ SECTIONS = {
 }
 
 
+# the options by which a benchmark names the table file it writes
+TABLE_FILE_OPTIONS = ("--out", "--decode-table", "--prefill-table")
+
+
 def recorded_args(argv: list[str], drop: tuple[str, ...] = ("--commit",)) -> list[str]:
     """A benchmark's arguments as its table's command records them: without the options
-    ``drop`` and their values (``--x v`` or ``--x=v``), ``--commit`` by default."""
+    ``drop`` and their values (``--x v`` or ``--x=v``), ``--commit`` by default; a table's own
+    file (``TABLE_FILE_OPTIONS``) as its place in docs/performance/, where the page reads it,
+    whatever folder the run wrote to."""
     kept, skip = [], False
     for a in argv:
         if skip:
@@ -65,6 +71,12 @@ def recorded_args(argv: list[str], drop: tuple[str, ...] = ("--commit",)) -> lis
             skip = True
         elif not a.startswith(tuple(o + "=" for o in drop)):
             kept.append(a)
+    for n, a in enumerate(kept):
+        if n and kept[n - 1] in TABLE_FILE_OPTIONS:
+            kept[n] = f"docs/performance/{os.path.basename(a)}"
+        elif a.startswith(tuple(o + "=" for o in TABLE_FILE_OPTIONS)):
+            option, path = a.split("=", 1)
+            kept[n] = f"{option}=docs/performance/{os.path.basename(path)}"
     return kept
 
 

@@ -116,7 +116,7 @@ def test_a_saved_csv_becomes_a_table_the_page_takes(tmp_path):
                "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     table = json.loads(out.read_text())
-    assert table["commands"] == [f"python bench/kernel_times.py --out {out}"]
+    assert table["commands"] == [f"python bench/kernel_times.py --out docs/performance/{out.name}"]
     assert len(table["rows"]) == len(TARGET)
     assert perf_page.render_table(dict(table, file="t.json")).count("\n| ") == len(TARGET) + 1
 

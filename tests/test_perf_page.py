@@ -70,7 +70,8 @@ def test_the_parts_benchmark_writes_a_table_the_page_takes(tmp_path):
     rows = {r["part"]: r for r in table["rows"]}
     total = rows["local heads"]["fb"] + rows["global (ours)"]["fb"]
     assert table["limits"]["sum"][1] == pytest.approx(rows["composition"]["fb"] / total)
-    assert table["commands"] == [f"python bench/parts.py --smoke --out {out}"]
+    assert table["commands"] == ["python bench/parts.py --smoke --out "
+                                 "docs/performance/16_parts.json"]
     assert "### Where the time goes" in perf_page.render([table])
 
 
@@ -86,7 +87,8 @@ def test_the_model_step_benchmark_writes_a_table_the_page_takes(tmp_path):
     assert [r["variant"] for r in table["rows"]] == ["LS p=50", "LS p=128", "MHSA"]
     assert all(r["ms"] > 0 for r in table["rows"]) and table["rows"][-1]["x"] == 1.0
     assert table["commit"] == "abc1234"
-    assert table["commands"] == [f"python bench/model_step.py --smoke --out {out}"]
+    assert table["commands"] == [f"python bench/model_step.py --smoke --out "
+                                 f"docs/performance/{out.name}"]
     assert "| MHSA | " in perf_page.render([table])
 
 
@@ -153,12 +155,18 @@ def test_the_inference_benchmark_refuses_a_table_it_would_have_no_rows_for(tmp_p
 
 
 @pytest.mark.parametrize("argv,drop,want", [
-    pytest.param(["--out", "t.json", "--commit", "abc1234"], ("--commit",), ["--out", "t.json"],
-                 id="commit-and-value"),
+    pytest.param(["--out", "t.json", "--commit", "abc1234"], ("--commit",),
+                 ["--out", "docs/performance/t.json"], id="commit-and-value"),
     pytest.param(["--commit=abc1234", "--p", "64"], ("--commit",), ["--p", "64"],
                  id="commit-equals"),
     pytest.param(["--csv", "x.csv", "--card=c", "--out", "t.json"], ("--csv", "--card"),
-                 ["--out", "t.json"], id="other-options"),
+                 ["--out", "docs/performance/t.json"], id="other-options"),
+    # the table's file is recorded where the page reads it, from any folder
+    pytest.param(["--out", "/tmp/run/16_kernel_parts.json", "--reps", "5"], ("--commit",),
+                 ["--out", "docs/performance/16_kernel_parts.json", "--reps", "5"],
+                 id="out-elsewhere"),
+    pytest.param(["--out=run/15.json"], ("--commit",), ["--out=docs/performance/15.json"],
+                 id="out-equals-elsewhere"),
 ])
 def test_a_tables_command_records_the_arguments_but_the_dropped(argv, drop, want):
     assert perf_page.recorded_args(argv, drop) == want

@@ -29,17 +29,16 @@ entry). The products accumulate in the Triton kernels' order (dQ over key blocks
 over query blocks, ascending). delta = rowsum(O * dO) of query block i is the consumer's own:
 at i's first key block it reads i's O tile and its dO tile from shared memory, and writes the
 row into the query ring beside lse2. The consumer loads the O tiles itself, a ring of them
-ahead of its first key blocks: ``StripBackwardConfig.o_slots`` tiles of their own (O of block
-i + o_slots loads once i's delta is made), or, where they do not fit shared memory, in the dQ
+ahead of its first key blocks: ``StripBackwardConfig.o_slots`` tiles of their own (O of block i
++ o_slots loads once i's delta is made), or, where they do not fit shared memory, in the dQ
 tiles (a union): the key block ``dq_tiles`` before i sends that tile's last share out and then
-loads i's O into it, so the load runs under at least one step, and i's first share replaces
-it. The float32 dQ tiles are
-swizzled like the bf16 ones, so that their wgmma-layout loads and stores are free of bank
-conflicts. The stores to shared memory go without Pallas' automatic barriers: a consumer reads
-its dQ tiles back in the layout it wrote them (each thread its own entries), hands the staging
-tile to the tensor cores and the TMA through ``commit_smem``, after waiting for the TMA's last
-read of it, and loads K and V into a slot only once it has waited for the products that read it
-(``ring.launch``).
+loads i's O into it, so the load runs under at least one step, and i's first share replaces it.
+The float32 dQ tiles are swizzled like the bf16 ones, so that their wgmma-layout loads and
+stores are free of bank conflicts. The stores to shared memory go without Pallas' automatic
+barriers: a consumer reads its dQ tiles back in the layout it wrote them (each thread its own
+entries), hands the staging tile to the tensor cores and the TMA through ``commit_smem``, after
+waiting for the TMA's last read of it, and loads K and V into a slot only once it has waited
+for the products that read it (``ring.launch``).
 
 Interpret mode (CPU tests) runs it in Pallas' GPU interpreter, where each product is a plain
 dot of the same operands (``ring.mma``).
@@ -91,9 +90,8 @@ def smem_bytes(window: int, head_dim: int, itemsize: int, kv_slots: int, o_slots
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, dq_ref, dk_ref, dv_ref, scoped,
-            *, heads, windows, sub, stages, dq_slots, kv_slots, o_slots, seq_len, score_scale,
-            scale,
-            interpret):
+            *, heads, windows, sub, stages, dq_slots, kv_slots, o_slots, o_ring, seq_len,
+            score_scale, scale, interpret):
     smem, loaded, (free,) = scoped
     k_own, v_own, q_ring, do_ring, lse_ring, delta_ring, ds_tile, (dq_acc, o_tiles) = smem
     q_loaded, do_loaded, lse_loaded, o_loaded, kv_loaded = loaded
@@ -112,7 +110,6 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, dq_ref, dk_ref, dv_ref,
     stream_end = jnp.where(has_work, last_end, first)
 
     one_window = len(set(windows)) == 1
-    o_ring = o_slots or dq_slots  # O tiles: their own, or the dQ tiles
 
     def slot_of(i):
         return ring_slot(i, first, stages)
@@ -151,7 +148,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, dq_ref, dk_ref, dv_ref,
             for barriers in (q_loaded, do_loaded, lse_loaded):
                 plgpu.barrier_wait(barrier(barriers, i))
 
-        def o_tile(i):  # query block i's O tile (in the dQ tiles: i's own) and its barrier
+        def o_tile(i):  # query block i's O tile (none of their own: in i's dQ tile), barrier
             n = lax.rem(i - first, jnp.int32(o_ring))
             return o_tiles.at[c, n, 0], o_loaded.at[c * o_ring + n]
 
@@ -340,14 +337,15 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
     """(dq, dk, dv), each [B, Tp, H, Dp] in q's dtype, for the local ``heads`` (one kv head
     per query head; their windows' buffers fit shared memory: ``smem_bytes``) on padded
     inputs (Tp a multiple of ``STRIP_BLOCK``); ``out`` is the forward's, from which the kernel
-    makes delta = rowsum(O * dO). prefilled: () or the (dq, dk, dv) of earlier launches, into which this
-    one writes its heads' rows (other rows kept); without it the other heads' rows are left
-    unwritten."""
+    makes delta = rowsum(O * dO). prefilled: () or the (dq, dk, dv) of earlier launches, into
+    which this one writes its heads' rows (other rows kept); without it the other heads' rows
+    are left unwritten."""
     B, Tp, H, Dp = q.shape
     heads, windows = selected_heads(plan, heads)
     stages = max(band_blocks(w, STRIP_BLOCK) for w in windows)
     dq_slots = dq_tiles(stages)
     sub, kv_slots, o_slots = config.sub_blocks, config.kv_slots, config.o_slots
+    o_ring = o_slots or dq_slots  # the O tiles: their own, or the dQ tiles
     num_tiles = cdiv(cdiv(Tp // STRIP_BLOCK, sub), PAIRS)
     tile = plgpu.SMEM((PAIRS, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
     kv = plgpu.SMEM((PAIRS, kv_slots, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
@@ -362,7 +360,7 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
         dq_and_o = plgpu.RefUnion(acc, plgpu.SMEM((PAIRS, dq_slots, 2, STRIP_BLOCK, Dp),
                                                   q.dtype, transforms=TILE_TRANSFORMS))
     static = dict(heads=heads, windows=windows, sub=sub, stages=stages, dq_slots=dq_slots,
-                  kv_slots=kv_slots, o_slots=o_slots,
+                  kv_slots=kv_slots, o_slots=o_slots, o_ring=o_ring,
                   seq_len=Tp, score_scale=plan.scale * LOG2_E, scale=plan.scale,
                   interpret=plan.interpret)
 
@@ -372,7 +370,7 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
                                     dk_ref, dv_ref, scoped, **static),
             [kv, kv, ring, ring, rows, rows, tile, dq_and_o],
             (plgpu.Barrier(num_barriers=PAIRS * stages),) * 3
-            + (plgpu.Barrier(num_barriers=PAIRS * (o_slots or dq_slots)),
+            + (plgpu.Barrier(num_barriers=PAIRS * o_ring),
                plgpu.Barrier(num_barriers=2 * PAIRS * kv_slots)),
             (plgpu.Barrier(num_arrivals=1, num_barriers=PAIRS * stages),),
             collective_axes="wg")

@@ -356,7 +356,9 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
     if o_slots:  # O tiles of their own
         dq_and_o = (acc, plgpu.SMEM((PAIRS, o_slots, 1, STRIP_BLOCK, Dp), q.dtype,
                                     transforms=TILE_TRANSFORMS))
-    else:  # each float32 dQ tile holds two 16-bit tiles, the first O's
+    else:  # each float32 dQ tile holds two 16-bit tiles, the first O's: both groups of the
+        # union start at its start, and leading indices are outermost in a tiled layout, so O
+        # tile [c, n, 0] takes the bytes of dQ tile [c, n] (in a slot, their lifetimes are apart)
         dq_and_o = plgpu.RefUnion(acc, plgpu.SMEM((PAIRS, dq_slots, 2, STRIP_BLOCK, Dp),
                                                   q.dtype, transforms=TILE_TRANSFORMS))
     static = dict(heads=heads, windows=windows, sub=sub, stages=stages, dq_slots=dq_slots,

@@ -434,15 +434,22 @@ def test_row_delta_of_some_heads():
                                atol=1e-6)
 
 
-def test_strip_backward_makes_delta_itself():
+@pytest.mark.parametrize("window,o_slots", [(128, 0), (64, 2)],
+                         ids=["o-in-the-dq-tiles", "o-tiles-of-their-own"])
+def test_strip_backward_makes_delta_itself(window, o_slots):
     """The local heads' backward as strips reads O and makes delta in the kernel: the gradient
-    of an all-local call lowered for a Hopper GPU is the kernels' launches and no XLA
-    arithmetic on O and dO."""
+    of an all-local call lowered for a Hopper GPU (its shared memory within the budget) is the
+    kernels' launches and no XLA arithmetic on O and dO."""
     from ls_jax.interop.export import export
     q = jax.ShapeDtypeStruct((1, 8192, 4, 64), jnp.bfloat16)
+    case = heuristics.Case(dtype=jnp.bfloat16, head_dim=64, windows=(window,) * 4, seq_len=8192,
+                           batch=1, num_kv_heads=4, has_segments=False,
+                           gpu=heuristics.gpu_of_kind("NVIDIA H100 80GB HBM3"))
+    (strips,) = heuristics.launches(case).backward
+    assert strips.lowering == "strip" and strips.config.o_slots == o_slots
 
     def loss(q, k, v):
-        out = ls_attention(q, k, v, (128,) * 4, implementation="pallas_gpu")
+        out = ls_attention(q, k, v, (window,) * 4, implementation="pallas_gpu")
         return jnp.sum(out.astype(jnp.float32))
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))

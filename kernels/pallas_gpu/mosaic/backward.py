@@ -407,21 +407,18 @@ def dq_call(plan, config: HopperBackwardConfig, heads: tuple[int, ...], q, k, v,
     return run(q, k, v, do, lse2, delta), delta
 
 
-def heads_delta(out, do, heads: tuple[int, ...]):
-    """float32 [B, len(heads), Tp]: ``delta = rowsum(O * dO)`` of ``heads``, in their order,
-    one XLA reduction reading only their O and dO."""
-    return jnp.einsum("bthd,bthd->bht", take_heads(out, heads).astype(jnp.float32),
-                      take_heads(do, heads).astype(jnp.float32))
-
-
 def row_delta(out, do, heads: tuple[int, ...]):
-    """float32 [B, H, Tp]: ``heads_delta`` at the rows of ``heads``, the others zero."""
+    """float32 [B, H, Tp]: ``delta = rowsum(O * dO)`` for the rows of ``heads`` (the others
+    zero), one XLA reduction reading only their O and dO."""
+    def rowsum(o, d):
+        return jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), d.astype(jnp.float32))
+
     B, Tp, H, _ = out.shape
     if tuple(heads) == tuple(range(H)):
-        return heads_delta(out, do, heads)
+        return rowsum(out, do)
     others = [h for h in range(H) if h not in heads]
-    return merge_heads([heads_delta(out, do, heads), jnp.zeros((B, len(others), Tp),
-                                                                jnp.float32)],
+    part = rowsum(take_heads(out, heads), take_heads(do, heads))
+    return merge_heads([part, jnp.zeros((B, len(others), Tp), jnp.float32)],
                        [list(heads), others], axis=1)
 
 

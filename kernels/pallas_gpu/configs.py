@@ -144,12 +144,11 @@ class StripConfig:
 @dataclasses.dataclass(frozen=True)
 class StripBackwardConfig:
     """The fused strip backward of local heads: each consumer walks ``sub_blocks`` consecutive
-    ``STRIP_BLOCK``-key blocks of the (head, batch element) rows laid end to end, a row's part
-    after a warm-up over the key blocks before it that reach its first query block, the query
-    side of their bands streamed once; with ``kv_slots=2`` the next key block's K and V load
-    while the current one is computed. The forward's O tiles (for delta) load ``o_slots``
-    query blocks ahead into tiles of their own, or with ``o_slots=0`` into the dQ tiles, each
-    once its last share is out."""
+    ``STRIP_BLOCK``-key blocks of one head (after a warm-up over the key blocks before them
+    that reach its first query block), the query side of their bands streamed once; with
+    ``kv_slots=2`` the next key block's K and V load while the current one is computed. The
+    forward's O tiles (for delta) load ``o_slots`` query blocks ahead into tiles of their own,
+    or with ``o_slots=0`` into the dQ tiles, each once its last share is out."""
 
     sub_blocks: int = 32
     kv_slots: int = 2

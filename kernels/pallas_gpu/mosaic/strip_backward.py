@@ -2,10 +2,8 @@
 
 The Triton backward runs two kernels (dQ; dK/dV), each recomputing the probabilities and dP:
 seven products a tile, and every Q, K, V and dO block read by both. Here one consumer walks a
-*sub-strip*, consecutive key blocks of the (head, batch element) rows laid end to end (equal
-shares fill the SMs whatever the number of rows; a sub-strip that meets several rows walks its
-part of each in turn), and for each key block j and each query block i of its band computes,
-from one S^T and one dP^T,
+*sub-strip* of consecutive key blocks of one head and batch element, and for each key block j
+and each query block i of its band computes, from one S^T and one dP^T,
 
     dV_j += P^T dO_i,   dK_j += dS^T Q_i,   dQ_i += dS K_j.
 
@@ -18,9 +16,9 @@ query block, for dQ only (the warm-up); the query blocks past the sub-strip get 
 contributions (the next sub-strip's warm-up computes their dQ).
 
 A program holds two independent pairs of warpgroups (a consumer and a producer each, on
-adjacent sub-strips): the producer streams the query side (Q, dO, lse2) of its consumer's
-sub-strip through a ring of shared-memory slots once (from one row's part into the next
-without a pause); the consumer loads its own K and V blocks. With two K/V slots it loads the next key block's while it computes the current
+adjacent sub-strips): the producer streams the query side (Q, dO, lse2) of its
+consumer's sub-strip through a ring of shared-memory slots once; the consumer loads its own K
+and V blocks. With two K/V slots it loads the next key block's while it computes the current
 one; with one (``StripBackwardConfig.kv_slots``, for bands too wide for two) it loads the next
 V after the current one's last dP^T and the next K after its last dQ, and waits on them.
 Nothing is shared between the pairs, so a consumer's dQ ring needs no other warpgroup's order.
@@ -59,8 +57,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ls_jax.kernels.band import allowed, band_blocks, cdiv, kv_block_range, q_block_range
 from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE
 from ls_jax.kernels.pallas_gpu.configs import STRIP_BLOCK, StripBackwardConfig
-from ls_jax.kernels.pallas_gpu.mosaic.ring import (TILE_TRANSFORMS, launch, mma, pick,
-                                                   ring_slot, run_into,
+from ls_jax.kernels.pallas_gpu.mosaic.ring import (TILE_TRANSFORMS, launch, mma, produce,
+                                                   program_ids, ring_slot, run_into,
                                                    selected_heads, static_tile_allowed,
                                                    tile_iota, zero_tile)
 
@@ -92,37 +90,29 @@ def smem_bytes(window: int, head_dim: int, itemsize: int, kv_slots: int, o_slots
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, dq_ref, dk_ref, dv_ref, scoped,
-            *, heads, windows, num_rows, sub, stages, dq_slots, kv_slots, o_slots, o_ring,
-            seq_len, score_scale, scale, interpret):
+            *, heads, windows, sub, stages, dq_slots, kv_slots, o_slots, o_ring, seq_len,
+            score_scale, scale, interpret):
     smem, loaded, (free,) = scoped
     k_own, v_own, q_ring, do_ring, lse_ring, delta_ring, ds_tile, (dq_acc, o_tiles) = smem
     q_loaded, do_loaded, lse_loaded, o_loaded, kv_loaded = loaded
-    wg = lax.axis_index("wg")
+    b, h, window, wg = program_ids(heads, windows)
     pair = lax.rem(wg, jnp.int32(PAIRS))
     block = STRIP_BLOCK
     num_blocks = seq_len // block
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
-    # the pair's key blocks [pair_first, pair_end) of the rows laid end to end, walked one
-    # row after the other: row r is batch element r // len(heads), head heads[r % len(heads)]
-    pair_first = (PAIRS * lax.axis_index("tile") + pair) * sub
-    pair_end = jnp.minimum(pair_first + sub, num_rows * num_blocks)
-    row_range = (lax.div(pair_first, jnp.int32(num_blocks)),
-                 lax.div(pair_end + num_blocks - 1, jnp.int32(num_blocks)))
-
-    def segment(r):
-        """The pair's part of row r: (batch element, head, window, its key blocks [first,
-        end), the first of the warm-up's, the end of its query stream)."""
-        slot = lax.rem(r, jnp.int32(len(heads)))
-        window = pick(slot, windows)
-        first = jnp.maximum(pair_first - r * num_blocks, 0)
-        end = jnp.minimum(pair_end - r * num_blocks, num_blocks)
-        kv_start, _ = kv_block_range(first, block, block, window, seq_len)
-        _, stream_end = q_block_range(end - 1, block, block, window, seq_len)
-        return (lax.div(r, jnp.int32(len(heads))), pick(slot, heads), window, first, end,
-                kv_start, stream_end)
+    # the pair's key blocks [first, end); the warm-up's from kv_start; the query stream
+    first = (PAIRS * lax.axis_index("tile") + pair) * sub
+    end = jnp.minimum(first + sub, num_blocks)
+    has_work = first < end
+    kv_start, _ = kv_block_range(first, block, block, window, seq_len)
+    _, last_end = q_block_range(end - 1, block, block, window, seq_len)
+    stream_end = jnp.where(has_work, last_end, first)
 
     one_window = len(set(windows)) == 1
+
+    def slot_of(i):
+        return ring_slot(i, first, stages)
 
     def band_masked(offset: int, x_KxQ):
         """``x_KxQ`` of key block j against query block j + offset, its entries outside the
@@ -137,185 +127,179 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, dq_ref, dk_ref, dv_ref,
         c = wg
         ds = ds_tile.at[c]
 
-        def walk(r, streamed):
-            """The pair's part of row r, its query stream at ring positions from
-            ``streamed`` on; returns the position after it."""
-            b, h, window, first, end, kv_start, stream_end = segment(r)
+        def kv_slot(j):
+            return ring_slot(j, kv_start, kv_slots)
 
-            def slot_of(i):
-                return ring_slot(i, first - streamed, stages)
+        def barrier(barriers, i):
+            return barriers.at[c * stages + slot_of(i)]
 
-            def kv_slot(j):
-                return ring_slot(j, kv_start, kv_slots)
+        def kv_barrier(j, n):  # n: 0 for K, 1 for V
+            return kv_loaded.at[(c * kv_slots + kv_slot(j)) * 2 + n]
 
-            def barrier(barriers, i):
-                return barriers.at[c * stages + slot_of(i)]
+        def load_k(j):
+            plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(j * block, block), h],
+                                    k_own.at[c, kv_slot(j)], kv_barrier(j, 0))
 
-            def kv_barrier(j, n):  # n: 0 for K, 1 for V
-                return kv_loaded.at[(c * kv_slots + kv_slot(j)) * 2 + n]
+        def load_v(j):
+            plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(j * block, block), h],
+                                    v_own.at[c, kv_slot(j)], kv_barrier(j, 1))
 
-            def load_k(j):
-                plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(j * block, block), h],
-                                        k_own.at[c, kv_slot(j)], kv_barrier(j, 0))
+        def wait_streamed(i, _):
+            for barriers in (q_loaded, do_loaded, lse_loaded):
+                plgpu.barrier_wait(barrier(barriers, i))
 
-            def load_v(j):
-                plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(j * block, block), h],
-                                        v_own.at[c, kv_slot(j)], kv_barrier(j, 1))
+        def o_tile(i):  # query block i's O tile (none of their own: in i's dQ tile), barrier
+            n = lax.rem(i - first, jnp.int32(o_ring))
+            return o_tiles.at[c, n, 0], o_loaded.at[c * o_ring + n]
 
-            def wait_streamed(i, _):
-                for barriers in (q_loaded, do_loaded, lse_loaded):
-                    plgpu.barrier_wait(barrier(barriers, i))
+        def load_o(i):
+            """O of query block i into its tile, if the pair's stream has the block."""
+            @pl.when(i < stream_end)
+            def _load():
+                plgpu.copy_gmem_to_smem(o_ref.at[b, pl.ds(i * block, block), h], *o_tile(i))
 
-            def o_tile(i):  # query block i's O tile (none of their own: in i's dQ tile), barrier
-                n = lax.rem(i - first, jnp.int32(o_ring))
-                return o_tiles.at[c, n, 0], o_loaded.at[c * o_ring + n]
+        def make_delta(i, slot):
+            """delta = rowsum(O * dO) of query block i in float32, into its ring slot; then
+            (O tiles of their own) the next O into i's tile."""
+            tile, loaded = o_tile(i)
+            plgpu.barrier_wait(loaded)
+            o_QxD = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
+            do_QxD = plgpu.load(do_ring.at[c, slot], layout=plgpu.Layout.WGMMA)
+            delta_ring.at[c, slot][...] = (o_QxD.astype(jnp.float32)
+                                           * do_QxD.astype(jnp.float32)).sum(axis=1)
+            plgpu.commit_smem()  # the reads of i's O done: its tile may take the next
+            if o_slots:
+                load_o(i + o_slots)
 
-            def load_o(i):
-                """O of query block i into its tile, if the pair's stream has the block."""
-                @pl.when(i < stream_end)
-                def _load():
-                    plgpu.copy_gmem_to_smem(o_ref.at[b, pl.ds(i * block, block), h], *o_tile(i))
+        def release(i, _):
+            plgpu.barrier_arrive(barrier(free, i))
 
-            def make_delta(i, slot):
-                """delta = rowsum(O * dO) of query block i in float32, into its ring slot; then
-                (O tiles of their own) the next O into i's tile."""
-                tile, loaded = o_tile(i)
-                plgpu.barrier_wait(loaded)
-                o_QxD = plgpu.load(tile, layout=plgpu.Layout.WGMMA)
-                do_QxD = plgpu.load(do_ring.at[c, slot], layout=plgpu.Layout.WGMMA)
-                delta_ring.at[c, slot][...] = (o_QxD.astype(jnp.float32)
-                                               * do_QxD.astype(jnp.float32)).sum(axis=1)
-                plgpu.commit_smem()  # the reads of i's O done: its tile may take the next
-                if o_slots:
-                    load_o(i + o_slots)
+        def stage_ds(value):
+            """``value`` into the staging tile, once its previous contents are out."""
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            ds[...] = value
+            plgpu.commit_smem()
 
-            def release(i, _):
-                plgpu.barrier_arrive(barrier(free, i))
+        def step(i, grads, *, j, last, k_tile, v_tile, full: bool):
+            """Query block i against key block j: dK/dV (when ``full``) and i's dQ."""
+            slot = slot_of(i)
+            q_blk, do_blk = q_ring.at[c, slot], do_ring.at[c, slot]
+            if one_window:  # i - j picks the mask; its bounds are static
+                def masked(x_KxQ):
+                    return lax.switch(i - j, [functools.partial(band_masked, offset)
+                                              for offset in range(stages)], x_KxQ)
+            else:  # the band rule on query minus key positions (one difference of iotas)
+                gap_KxQ = (tile_iota(block, block, 1) - tile_iota(block, block, 0)
+                           + (i - j) * block)
 
-            def stage_ds(value):
-                """``value`` into the staging tile, once its previous contents are out."""
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                ds[...] = value
-                plgpu.commit_smem()
+                def masked(x_KxQ):
+                    return jnp.where(allowed(gap_KxQ, 0, window), x_KxQ, MASKED_SCORE)
+            starts = j == kv_block_range(i, block, block, window, seq_len)[0]
+            pl.when(starts)(functools.partial(make_delta, i, slot))  # i's first key block
+            lse_Q = plgpu.load(lse_ring.at[c, slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            delta_Q = plgpu.load(delta_ring.at[c, slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            dq_slot = dq_acc.at[c, lax.rem(i - first, jnp.int32(dq_slots))]
 
-            def step(i, grads, *, j, last, k_tile, v_tile, full: bool):
-                """Query block i against key block j: dK/dV (when ``full``) and i's dQ."""
-                slot = slot_of(i)
-                q_blk, do_blk = q_ring.at[c, slot], do_ring.at[c, slot]
-                if one_window:  # i - j picks the mask; its bounds are static
-                    def masked(x_KxQ):
-                        return lax.switch(i - j, [functools.partial(band_masked, offset)
-                                                  for offset in range(stages)], x_KxQ)
-                else:  # the band rule on query minus key positions (one difference of iotas)
-                    gap_KxQ = (tile_iota(block, block, 1) - tile_iota(block, block, 0)
-                               + (i - j) * block)
+            def dq_start():  # i's first key block starts dQ from zeros, a later one adds
+                return lax.cond(starts, lambda: zero_tile(block, head_dim),
+                                lambda: plgpu.load(dq_slot, layout=plgpu.Layout.WGMMA))
 
-                    def masked(x_KxQ):
-                        return jnp.where(allowed(gap_KxQ, 0, window), x_KxQ, MASKED_SCORE)
-                starts = j == kv_block_range(i, block, block, window, seq_len)[0]
-                pl.when(starts)(functools.partial(make_delta, i, slot))  # i's first key block
-                lse_Q = plgpu.load(lse_ring.at[c, slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                delta_Q = plgpu.load(delta_ring.at[c, slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                dq_slot = dq_acc.at[c, lax.rem(i - first, jnp.int32(dq_slots))]
+            def probabilities(sT_KxQ):  # masked after the scale and lse2: one fma an entry
+                return jnp.exp2(masked(sT_KxQ * score_scale
+                                       - lax.broadcast_in_dim(lse_Q, sT_KxQ.shape, [1])))
 
-                def dq_start():  # i's first key block starts dQ from zeros, a later one adds
-                    return lax.cond(starts, lambda: zero_tile(block, head_dim),
-                                    lambda: plgpu.load(dq_slot, layout=plgpu.Layout.WGMMA))
+            def score_grads(pT_KxQ, dpT_KxQ):
+                dsT_KxQ = pT_KxQ * (dpT_KxQ - lax.broadcast_in_dim(delta_Q, dpT_KxQ.shape, [1]))
+                return dsT_KxQ.astype(dtype)
 
-                def probabilities(sT_KxQ):  # masked after the scale and lse2: one fma an entry
-                    return jnp.exp2(masked(sT_KxQ * score_scale
-                                           - lax.broadcast_in_dim(lse_Q, sT_KxQ.shape, [1])))
-
-                def score_grads(pT_KxQ, dpT_KxQ):
-                    dsT_KxQ = pT_KxQ * (dpT_KxQ - lax.broadcast_in_dim(delta_Q, dpT_KxQ.shape, [1]))
-                    return dsT_KxQ.astype(dtype)
-
-                if interpret:  # one product at a time (see ``ring.mma``)
-                    pT_KxQ = probabilities(mma(None, k_tile, q_blk, transpose_b=True,
-                                               interpret=True))
-                    dpT_KxQ = mma(None, v_tile, do_blk, transpose_b=True, interpret=True)
+            if interpret:  # one product at a time (see ``ring.mma``)
+                pT_KxQ = probabilities(mma(None, k_tile, q_blk, transpose_b=True,
+                                           interpret=True))
+                dpT_KxQ = mma(None, v_tile, do_blk, transpose_b=True, interpret=True)
+                dsT_KxQ = score_grads(pT_KxQ, dpT_KxQ)
+                if full:
+                    dk_KxD, dv_KxD = grads
+                    dv_KxD = mma(dv_KxD, pT_KxQ.astype(dtype), do_blk, transpose_b=False,
+                                 interpret=True)
+                    dk_KxD = mma(dk_KxD, dsT_KxQ, q_blk, transpose_b=False, interpret=True)
+                    grads = dk_KxD, dv_KxD
+                stage_ds(dsT_KxQ)
+                dq_QxD = mma(dq_start(), dsT_KxQ.T, k_tile, transpose_b=False, interpret=True)
+            else:  # S^T and dP^T together, dV under dP^T, then dK; dQ once they are done
+                def products(sT_ref, dpT_ref, grad_refs=None):
+                    plgpu.wgmma(sT_ref, k_tile, q_blk.transpose((1, 0)))
+                    plgpu.wgmma(dpT_ref, v_tile, do_blk.transpose((1, 0)))
+                    pT_KxQ = probabilities(plgpu.wgmma_accumulator_load(sT_ref, wait_n=1))
+                    if full:
+                        plgpu.wgmma(grad_refs[1], pT_KxQ.astype(dtype), do_blk)
+                    dpT_KxQ = plgpu.wgmma_accumulator_load(dpT_ref, wait_n=1 if full else 0)
+                    if kv_slots == 1:  # the last read of this V is done
+                        pl.when(jnp.logical_and(i == last, j + 1 < end))(
+                            functools.partial(load_v, j + 1))
                     dsT_KxQ = score_grads(pT_KxQ, dpT_KxQ)
                     if full:
-                        dk_KxD, dv_KxD = grads
-                        dv_KxD = mma(dv_KxD, pT_KxQ.astype(dtype), do_blk, transpose_b=False,
-                                     interpret=True)
-                        dk_KxD = mma(dk_KxD, dsT_KxQ, q_blk, transpose_b=False, interpret=True)
-                        grads = dk_KxD, dv_KxD
+                        plgpu.wgmma(grad_refs[0], dsT_KxQ, q_blk)
                     stage_ds(dsT_KxQ)
-                    dq_QxD = mma(dq_start(), dsT_KxQ.T, k_tile, transpose_b=False, interpret=True)
-                else:  # S^T and dP^T together, dV under dP^T, then dK; dQ once they are done
-                    def products(sT_ref, dpT_ref, grad_refs=None):
-                        plgpu.wgmma(sT_ref, k_tile, q_blk.transpose((1, 0)))
-                        plgpu.wgmma(dpT_ref, v_tile, do_blk.transpose((1, 0)))
-                        pT_KxQ = probabilities(plgpu.wgmma_accumulator_load(sT_ref, wait_n=1))
-                        if full:
-                            plgpu.wgmma(grad_refs[1], pT_KxQ.astype(dtype), do_blk)
-                        dpT_KxQ = plgpu.wgmma_accumulator_load(dpT_ref, wait_n=1 if full else 0)
-                        if kv_slots == 1:  # the last read of this V is done
-                            pl.when(jnp.logical_and(i == last, j + 1 < end))(
-                                functools.partial(load_v, j + 1))
-                        dsT_KxQ = score_grads(pT_KxQ, dpT_KxQ)
-                        if full:
-                            plgpu.wgmma(grad_refs[0], dsT_KxQ, q_blk)
-                        stage_ds(dsT_KxQ)
 
-                    scores = plgpu.ACC((block, block), jnp.float32)
-                    if full:
-                        def accumulate(grad_refs):
-                            pl.run_scoped(functools.partial(products, grad_refs=grad_refs),
-                                          scores, scores)
-
-                        grads = pl.run_state(accumulate)(tuple(map(plgpu.ACC.init, grads)))
-                    else:
-                        pl.run_scoped(products, scores, scores)
-
-                    # the accumulators of the scores are out of scope: dQ's fits beside dK, dV
-                    def accumulate_dq(dq_ref):
-                        plgpu.wgmma(dq_ref, ds.transpose((1, 0)), k_tile)
-
-                    dq_QxD = pl.run_state(accumulate_dq)(plgpu.ACC.init(dq_start()))
-
-                @pl.when(jnp.logical_and(i < end, i == j))  # i's last contribution: out
-                def _finish():
-                    stage_ds((dq_QxD * scale).astype(dtype))  # (fences off the reads of i's tile)
-                    plgpu.copy_smem_to_gmem(ds, dq_ref.at[b, pl.ds(i * block, block), h])
-                    if not o_slots:  # i's dQ tile takes the O tile of the block that reuses it
-                        load_o(i + dq_slots)
-
-                @pl.when(jnp.logical_and(i < end, i != j))
-                def _keep():
-                    dq_slot[...] = dq_QxD
-
-                pl.when(i == j)(functools.partial(release, i, None))  # j is i's last key block
-                return grads
-
-            def key_block(j, waited, *, full: bool):
-                q_first, q_end = q_block_range(j, block, block, window, seq_len)
-                lax.fori_loop(waited, q_end, wait_streamed, None)
-                plgpu.barrier_wait(kv_barrier(j, 0))
-                plgpu.barrier_wait(kv_barrier(j, 1))
-                if kv_slots > 1:  # the next key block into the other slot, read out before j
-                    pl.when(j + 1 < end)(functools.partial(load_k, j + 1))
-                    pl.when(j + 1 < end)(functools.partial(load_v, j + 1))
-                zeros = zero_tile(block, head_dim)
-                grads = lax.fori_loop(jnp.maximum(q_first, first), q_end,
-                                      functools.partial(step, j=j, last=q_end - 1, full=full,
-                                                        k_tile=k_own.at[c, kv_slot(j)],
-                                                        v_tile=v_own.at[c, kv_slot(j)]),
-                                      (zeros, zeros))
-                if kv_slots == 1:  # K read out (on the GPU, V's load is issued in the last step)
-                    if interpret:
-                        pl.when(j + 1 < end)(functools.partial(load_v, j + 1))
-                    pl.when(j + 1 < end)(functools.partial(load_k, j + 1))
+                scores = plgpu.ACC((block, block), jnp.float32)
                 if full:
-                    cols = pl.ds(j * block, block)
-                    dk_KxD, dv_KxD = grads
-                    stage_ds((dk_KxD * scale).astype(dtype))
-                    plgpu.copy_smem_to_gmem(ds, dk_ref.at[b, cols, h])
-                    stage_ds(dv_KxD.astype(dtype))
-                    plgpu.copy_smem_to_gmem(ds, dv_ref.at[b, cols, h])
-                return jnp.maximum(waited, q_end)
+                    def accumulate(grad_refs):
+                        pl.run_scoped(functools.partial(products, grad_refs=grad_refs),
+                                      scores, scores)
 
+                    grads = pl.run_state(accumulate)(tuple(map(plgpu.ACC.init, grads)))
+                else:
+                    pl.run_scoped(products, scores, scores)
+
+                # the accumulators of the scores are out of scope: dQ's fits beside dK, dV
+                def accumulate_dq(dq_ref):
+                    plgpu.wgmma(dq_ref, ds.transpose((1, 0)), k_tile)
+
+                dq_QxD = pl.run_state(accumulate_dq)(plgpu.ACC.init(dq_start()))
+
+            @pl.when(jnp.logical_and(i < end, i == j))  # i's last contribution: out
+            def _finish():
+                stage_ds((dq_QxD * scale).astype(dtype))  # (fences off the reads of i's tile)
+                plgpu.copy_smem_to_gmem(ds, dq_ref.at[b, pl.ds(i * block, block), h])
+                if not o_slots:  # i's dQ tile takes the O tile of the block that reuses it
+                    load_o(i + dq_slots)
+
+            @pl.when(jnp.logical_and(i < end, i != j))
+            def _keep():
+                dq_slot[...] = dq_QxD
+
+            pl.when(i == j)(functools.partial(release, i, None))  # j is i's last key block
+            return grads
+
+        def key_block(j, waited, *, full: bool):
+            q_first, q_end = q_block_range(j, block, block, window, seq_len)
+            lax.fori_loop(waited, q_end, wait_streamed, None)
+            plgpu.barrier_wait(kv_barrier(j, 0))
+            plgpu.barrier_wait(kv_barrier(j, 1))
+            if kv_slots > 1:  # the next key block into the other slot, read out before j
+                pl.when(j + 1 < end)(functools.partial(load_k, j + 1))
+                pl.when(j + 1 < end)(functools.partial(load_v, j + 1))
+            zeros = zero_tile(block, head_dim)
+            grads = lax.fori_loop(jnp.maximum(q_first, first), q_end,
+                                  functools.partial(step, j=j, last=q_end - 1, full=full,
+                                                    k_tile=k_own.at[c, kv_slot(j)],
+                                                    v_tile=v_own.at[c, kv_slot(j)]),
+                                  (zeros, zeros))
+            if kv_slots == 1:  # K read out (on the GPU, V's load is issued in the last step)
+                if interpret:
+                    pl.when(j + 1 < end)(functools.partial(load_v, j + 1))
+                pl.when(j + 1 < end)(functools.partial(load_k, j + 1))
+            if full:
+                cols = pl.ds(j * block, block)
+                dk_KxD, dv_KxD = grads
+                stage_ds((dk_KxD * scale).astype(dtype))
+                plgpu.copy_smem_to_gmem(ds, dk_ref.at[b, cols, h])
+                stage_ds(dv_KxD.astype(dtype))
+                plgpu.copy_smem_to_gmem(ds, dv_ref.at[b, cols, h])
+            return jnp.maximum(waited, q_end)
+
+        @pl.when(has_work)
+        def _walk():
             load_k(kv_start)
             load_v(kv_start)
             for n in range(o_ring):  # the ring of O tiles filled
@@ -323,44 +307,29 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, dq_ref, dk_ref, dv_ref,
             waited = lax.fori_loop(kv_start, first, functools.partial(key_block, full=False),
                                    first)
             lax.fori_loop(first, end, functools.partial(key_block, full=True), waited)
-            # the blocks past the key blocks: every phase observed, every slot released
+            # the blocks past the sub-strip: every phase observed, every slot released
             lax.fori_loop(end, stream_end, release, None)
-            return streamed + stream_end - first
-
-        lax.fori_loop(*row_range, walk, jnp.int32(0))
-        plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg >= PAIRS)
     def _producer():
         plgpu.set_max_registers(REGISTERS[1], action="decrease")
         c = wg - PAIRS
 
-        def wait_free(position, *_):
-            plgpu.barrier_wait(free.at[c * stages + lax.rem(position, jnp.int32(stages))])
+        def load(i, slot):
+            rows = pl.ds(i * block, block)
+            n = c * stages + slot
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_ring.at[c, slot], q_loaded.at[n])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[c, slot],
+                                    do_loaded.at[n])
+            plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[c, slot],
+                                    lse_loaded.at[n])
 
-        def walk(r, streamed):
-            """The query side of the pair's part of row r (Q, dO, lse2) into the ring from
-            position ``streamed`` on; a position past the ring's first round waits for its
-            slot's release."""
-            b, h, _, first, _, _, stream_end = segment(r)
+        def wait_free(slot):
+            plgpu.barrier_wait(free.at[c * stages + slot])
 
-            def load(i, position):
-                pl.when(position >= stages)(functools.partial(wait_free, position))
-                rows, slot = pl.ds(i * block, block), lax.rem(position, jnp.int32(stages))
-                n = c * stages + slot
-                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_ring.at[c, slot],
-                                        q_loaded.at[n])
-                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[c, slot],
-                                        do_loaded.at[n])
-                plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[c, slot],
-                                        lse_loaded.at[n])
-                return position + 1
-
-            return lax.fori_loop(first, stream_end, load, streamed)
-
-        streamed = lax.fori_loop(*row_range, walk, jnp.int32(0))
-        # the last positions' releases: every phase of a barrier is observed
-        lax.fori_loop(jnp.maximum(streamed - stages, 0), streamed, wait_free, None)
+        pl.when(has_work)(functools.partial(produce, first, stream_end, stages, load,
+                                            wait_free))
 
 
 def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, k, v, do,
@@ -377,8 +346,7 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
     dq_slots = dq_tiles(stages)
     sub, kv_slots, o_slots = config.sub_blocks, config.kv_slots, config.o_slots
     o_ring = o_slots or dq_slots  # the O tiles: their own, or the dQ tiles
-    num_rows = B * len(heads)
-    num_tiles = cdiv(cdiv(num_rows * (Tp // STRIP_BLOCK), sub), PAIRS)
+    num_tiles = cdiv(cdiv(Tp // STRIP_BLOCK, sub), PAIRS)
     tile = plgpu.SMEM((PAIRS, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
     kv = plgpu.SMEM((PAIRS, kv_slots, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
     ring = plgpu.SMEM((PAIRS, stages, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
@@ -393,7 +361,7 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
         # tile [c, n, 0] takes the bytes of dQ tile [c, n] (in a slot, their lifetimes are apart)
         dq_and_o = plgpu.RefUnion(acc, plgpu.SMEM((PAIRS, dq_slots, 2, STRIP_BLOCK, Dp),
                                                   q.dtype, transforms=TILE_TRANSFORMS))
-    static = dict(heads=heads, windows=windows, num_rows=num_rows, sub=sub, stages=stages, dq_slots=dq_slots,
+    static = dict(heads=heads, windows=windows, sub=sub, stages=stages, dq_slots=dq_slots,
                   kv_slots=kv_slots, o_slots=o_slots, o_ring=o_ring,
                   seq_len=Tp, score_scale=plan.scale * LOG2_E, scale=plan.scale,
                   interpret=plan.interpret)
@@ -410,7 +378,7 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
             collective_axes="wg")
 
     def run(out_type):
-        return launch(entry, out_type, num_heads=1, num_tiles=num_tiles, batch=1,
+        return launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
                       interpret=plan.interpret, warpgroups=2 * PAIRS, auto_barriers=False)
 
     inputs = (q, k, v, do, lse2, out)

@@ -75,16 +75,16 @@ def strip_smem(window: int, head_dim: int, itemsize: int, consumers: int) -> int
 
 def strip_backward_smem(window: int, head_dim: int, itemsize: int, kv_slots: int = 2,
                         o_slots: int = 0) -> int:
-    """The fused strip backward's buffers, two consumer/producer pairs each: K and V
+    """The fused strip backward's buffers, two consumers each: K and V
     (``kv_slots`` of each: the current key block's and with two the next one's), a ring of Q
     and dO tiles with lse and delta rows (as many slots as query blocks meet one key block), a
     dS staging tile, float32 dQ tiles (one fewer than the ring's slots, at least one) and
     ``o_slots`` O tiles (with none, each O tile takes half a dQ tile)."""
     tile = STRIP_BLOCK * head_dim * itemsize
     slots = (STRIP_BLOCK - 1 + window - 1) // STRIP_BLOCK + 1  # the key block's last key's band
-    per_pair = (2 * kv_slots * tile + slots * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
-                + max(slots - 1, 1) * STRIP_BLOCK * head_dim * 4 + o_slots * tile)
-    return 2 * per_pair
+    per_consumer = (2 * kv_slots * tile + slots * (2 * tile + 2 * STRIP_BLOCK * 4) + tile
+                    + max(slots - 1, 1) * STRIP_BLOCK * head_dim * 4 + o_slots * tile)
+    return 2 * per_consumer
 
 
 def live_f32_registers(launch: Launch, head_dim: int) -> int:
@@ -405,14 +405,11 @@ def test_register_budgets_fit_what_a_program_launches_with(consumers):
     assert producer < consumer
 
 
-def test_strip_backward_registers_fit_what_its_program_launches_with():
-    """The strip backward's two consumers and two producers (``strip_backward.REGISTERS``)
-    share what a program of four warpgroups starts with."""
-    consumer, producer = strip_backward.REGISTERS
-    pairs = strip_backward.PAIRS
-    assert pairs * (consumer + producer) <= 2 * pairs * launch_registers(2 * pairs)
-    for budget in (consumer, producer):
-        assert budget % 8 == 0 and 24 <= budget <= 256
+def test_strip_backward_consumers_launch_with_every_register_a_thread_may_hold():
+    """The strip backward's program is its consumers alone (they issue their own loads): two
+    warpgroups, which start with the 255 registers a thread may hold, no budget to move."""
+    assert strip_backward.CONSUMERS == 2
+    assert launch_registers(strip_backward.CONSUMERS) >= 255
 
 
 def test_padded_length_is_a_multiple_of_every_block():

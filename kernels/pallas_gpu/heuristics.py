@@ -286,7 +286,7 @@ def strip_backward_config(case: Case, heads: tuple[int, ...]) -> StripBackwardCo
     fit, else one; ``STRIP_O_SLOTS`` O tiles of their own where they fit too, else O in the dQ
     tiles."""
     num_blocks = cdiv(case.seq_len, STRIP_BLOCK)
-    sub = max(1, cdiv(num_blocks, strip_backward.PAIRS * _programs_per_row(case, heads)))
+    sub = max(1, cdiv(num_blocks, strip_backward.CONSUMERS * _programs_per_row(case, heads)))
     kv_slots = 2 if strip_backward_fits(case, heads, 2) else 1
     o_slots = STRIP_O_SLOTS if strip_backward_fits(case, heads, kv_slots, STRIP_O_SLOTS) else 0
     return StripBackwardConfig(sub_blocks=sub, kv_slots=kv_slots, o_slots=o_slots)

@@ -60,9 +60,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ls_jax.kernels.band import allowed, band_blocks, cdiv, kv_block_range, q_block_range
 from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE
 from ls_jax.kernels.pallas_gpu.configs import STRIP_BLOCK, StripBackwardConfig
-from ls_jax.kernels.pallas_gpu.mosaic.ring import (TILE_TRANSFORMS, launch, mma, program_ids, ring_slot, run_into,
-                                                   selected_heads, static_tile_allowed,
-                                                   tile_iota, zero_tile)
+from ls_jax.kernels.pallas_gpu.mosaic.ring import (TILE_TRANSFORMS, launch, mma, program_ids,
+                                                   ring_slot, run_into, selected_heads,
+                                                   static_tile_allowed, tile_iota, zero_tile)
 
 CONSUMERS = 2  # warpgroups a program holds, each on its own sub-strip (255 registers each)
 # the float32 dQ tiles: 8x32 tiles, 128-byte swizzle, so that a consumer reads and writes
@@ -77,8 +77,8 @@ def dq_tiles(stages: int) -> int:
 
 
 def smem_bytes(window: int, head_dim: int, itemsize: int, kv_slots: int, o_slots: int) -> int:
-    """Shared memory of one program: per consumer, its K and V blocks (``kv_slots`` of each), the
-    query-side ring (Q, dO tiles, lse2 and delta rows) of ``band_blocks`` slots, the dS^T
+    """Shared memory of one program: per consumer, its K and V blocks (``kv_slots`` of each),
+    the query-side ring (Q, dO tiles, lse2 and delta rows) of ``band_blocks`` slots, the dS^T
     staging tile, the float32 dQ ring and ``o_slots`` O tiles (none: they take the dQ tiles'
     place in turn)."""
     tile = STRIP_BLOCK * head_dim * itemsize

@@ -329,16 +329,17 @@ def test_strip_backward_window_limit(window, want):
 
 
 def test_strip_backward_fills_at_most_one_wave():
-    """A strip backward launch (two sub-strips a program) has at most one program per SM
-    unless each (head, batch element) row is two sub-strips already."""
+    """A strip backward launch (two consumers a program, each on one sub-strip, over the rows
+    in turn) has at most one program per SM unless each (head, batch element) row is one
+    sub-strip already."""
     for case, launches in grid():
         for launch in launches.backward:
             if launch.lowering != "strip":
                 continue
-            sub = launch.config.sub_blocks
-            per_row = cdiv(cdiv(cdiv(case.seq_len, STRIP_BLOCK), sub), 2)
-            if per_row > 1:
-                assert case.batch * len(launch.heads) * per_row <= case.gpu.sms, describe(case)
+            subs = cdiv(cdiv(case.seq_len, STRIP_BLOCK), launch.config.sub_blocks)
+            if subs > 1:
+                programs = cdiv(case.batch * len(launch.heads) * subs, 2)
+                assert programs <= case.gpu.sms, describe(case)
 
 
 def test_hopper_shared_memory_fits():

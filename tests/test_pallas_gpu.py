@@ -316,7 +316,7 @@ def strip_backward(H, heads, config, first=()) -> Launches:
 
 
 STRIP_BACKWARD_CASES = [
-    # 4 key blocks in sub-strips of 3 and 1 (a program's second pair has one, its warm-up
+    # 4 key blocks in sub-strips of 3 and 1 (a program's second consumer has one, its warm-up
     # reaching back into the first's), a window of one block and one past it
     pytest.param(bf16(1, 256, 2, 2, (64, 50)),
                  strip_backward(2, None, StripBackwardConfig(sub_blocks=3)),
@@ -361,7 +361,12 @@ STRIP_BACKWARD_CASES = [
                                                                o_slots=1),
                                 first=[("hopper", (0,), BWD2)]),
                  id="one-own-o-tile-two-windows-after-a-hopper-launch"),
-    # a sub-strip longer than the sequence: one pair of each program idle
+    # three sub-strips a row: the consumers take the rows' sub-strips in turn, so a program
+    # holds two rows (other windows) and the last consumer has none
+    pytest.param(bf16(1, 384, 3, 3, (64, 50, 7)),
+                 strip_backward(3, None, StripBackwardConfig(sub_blocks=2)),
+                 id="odd-sub-strips-a-row-consumers-across-rows"),
+    # a sub-strip longer than the sequence: a program's two consumers on two rows
     pytest.param(bf16(1, 192, 2, 2, (100, 3)),
                  strip_backward(2, None, StripBackwardConfig(sub_blocks=8)),
                  id="one-sub-strip-a-row", marks=pytest.mark.slow),

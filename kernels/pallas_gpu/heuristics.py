@@ -281,12 +281,13 @@ def one_slot_strip_backward(case: Case, heads: tuple[int, ...]) -> bool:
 
 
 def strip_backward_config(case: Case, heads: tuple[int, ...]) -> StripBackwardConfig:
-    """Each (head, batch element) row cut into as many sub-strips as keep the programs (two
-    sub-strips each) within one wave of the SMs, at least two a row; two K/V slots where they
-    fit, else one; ``STRIP_O_SLOTS`` O tiles of their own where they fit too, else O in the dQ
-    tiles."""
+    """Each (head, batch element) row cut into as many sub-strips as keep the consumers (two a
+    program, each on one sub-strip, taking the rows in turn) within one wave of the SMs, at
+    least one a row; two K/V slots where they fit, else one; ``STRIP_O_SLOTS`` O tiles of their
+    own where they fit too, else O in the dQ tiles."""
     num_blocks = cdiv(case.seq_len, STRIP_BLOCK)
-    sub = max(1, cdiv(num_blocks, strip_backward.CONSUMERS * _programs_per_row(case, heads)))
+    consumers = strip_backward.CONSUMERS * case.gpu.sms
+    sub = max(1, cdiv(num_blocks, max(1, consumers // _head_rows(case, len(heads)))))
     kv_slots = 2 if strip_backward_fits(case, heads, 2) else 1
     o_slots = STRIP_O_SLOTS if strip_backward_fits(case, heads, kv_slots, STRIP_O_SLOTS) else 0
     return StripBackwardConfig(sub_blocks=sub, kv_slots=kv_slots, o_slots=o_slots)

@@ -15,16 +15,18 @@ it, a consumer first walks the key blocks before its sub-strip whose bands reach
 query block, for dQ only (the warm-up); the query blocks past the sub-strip get only dK/dV
 contributions (the next sub-strip's warm-up computes their dQ).
 
-A program holds two independent consumer warpgroups on adjacent sub-strips, and nothing
-else: each issues its own TMA loads, so the pair of them has every register of the SM (a
-producer warpgroup beside each took registers whose lack spilled the consumers). A consumer
-streams the query side (Q, dO, lse2) of its sub-strip through a ring of shared-memory slots
-once: query block i's slot takes block i + slots once i's last key block (the diagonal) is
-done with it. It loads its K and V blocks too: with two K/V slots the next key block's while
-it computes the current one; with one (``StripBackwardConfig.kv_slots``, for bands too wide
-for two) the next V after the current one's last dP^T and the next K after its last dQ, and
-it waits on them. Nothing is shared between the consumers, so a dQ ring needs no other
-warpgroup's order.
+The consumers take the sub-strips of the (head, batch element) rows in turn, row after row, so
+a row may hold any number of them (the heuristics fill one wave of the SMs whatever the number
+of rows) and a program's two consumers may be on two rows. A program holds the two independent
+consumer warpgroups and nothing else: each issues its own TMA loads, so the pair of them has
+every register of the SM (a producer warpgroup beside each took registers whose lack spilled
+the consumers). A consumer streams the query side (Q, dO, lse2) of its sub-strip through a ring
+of shared-memory slots once: query block i's slot takes block i + slots once i's last key block
+(the diagonal) is done with it. It loads its K and V blocks too: with two K/V slots the next
+key block's while it computes the current one; with one (``StripBackwardConfig.kv_slots``, for
+bands too wide for two) the next V after the current one's last dP^T and the next K after its
+last dQ, and it waits on them. Nothing is shared between the consumers, so a dQ ring needs no
+other warpgroup's order.
 For heads of one window, the offset of a query block from the key block picks its mask, whose
 bounds are then static: one compare an element for each bound that cuts the tile (a tile inside
 the band has none). The mask applies to the exponent after the scale and lse2 (one fma an
@@ -60,7 +62,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ls_jax.kernels.band import allowed, band_blocks, cdiv, kv_block_range, q_block_range
 from ls_jax.kernels.pallas_gpu.common import LOG2_E, MASKED_SCORE
 from ls_jax.kernels.pallas_gpu.configs import STRIP_BLOCK, StripBackwardConfig
-from ls_jax.kernels.pallas_gpu.mosaic.ring import (TILE_TRANSFORMS, launch, mma, program_ids,
+from ls_jax.kernels.pallas_gpu.mosaic.ring import (TILE_TRANSFORMS, launch, mma, pick,
                                                    ring_slot, run_into, selected_heads,
                                                    static_tile_allowed, tile_iota, zero_tile)
 
@@ -89,20 +91,27 @@ def smem_bytes(window: int, head_dim: int, itemsize: int, kv_slots: int, o_slots
 
 
 def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, dq_ref, dk_ref, dv_ref, scoped,
-            *, heads, windows, sub, stages, dq_slots, kv_slots, o_slots, o_ring, seq_len,
-            score_scale, scale, interpret):
+            *, heads, windows, num_rows, sub, stages, dq_slots, kv_slots, o_slots, o_ring,
+            seq_len, score_scale, scale, interpret):
     smem, loaded = scoped
     k_own, v_own, q_ring, do_ring, lse_ring, delta_ring, ds_tile, (dq_acc, o_tiles) = smem
     q_loaded, do_loaded, lse_loaded, o_loaded, kv_loaded = loaded
-    b, h, window, c = program_ids(heads, windows)
     block = STRIP_BLOCK
     num_blocks = seq_len // block
     dtype = q_ref.dtype
     head_dim = q_ref.shape[-1]
+    # the consumers take the sub-strips of the (head, batch element) rows in turn, row after
+    # row: row r is batch element r // len(heads), head heads[r % len(heads)]
+    c = lax.axis_index("wg")
+    subs = cdiv(num_blocks, sub)  # sub-strips a row
+    n = CONSUMERS * lax.axis_index("tile") + c
+    row = jnp.minimum(lax.div(n, jnp.int32(subs)), num_rows - 1)
+    slot = lax.rem(row, jnp.int32(len(heads)))
+    b, h, window = lax.div(row, jnp.int32(len(heads))), pick(slot, heads), pick(slot, windows)
     # the consumer's key blocks [first, end); the warm-up's from kv_start; the query stream
-    first = (CONSUMERS * lax.axis_index("tile") + c) * sub
+    first = lax.rem(n, jnp.int32(subs)) * sub
     end = jnp.minimum(first + sub, num_blocks)
-    has_work = first < end
+    has_work = n < num_rows * subs
     kv_start, _ = kv_block_range(first, block, block, window, seq_len)
     _, last_end = q_block_range(end - 1, block, block, window, seq_len)
     stream_end = jnp.where(has_work, last_end, first)
@@ -331,7 +340,8 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
     dq_slots = dq_tiles(stages)
     sub, kv_slots, o_slots = config.sub_blocks, config.kv_slots, config.o_slots
     o_ring = o_slots or dq_slots  # the O tiles: their own, or the dQ tiles
-    num_tiles = cdiv(cdiv(Tp // STRIP_BLOCK, sub), CONSUMERS)
+    num_rows = B * len(heads)
+    num_tiles = cdiv(num_rows * cdiv(Tp // STRIP_BLOCK, sub), CONSUMERS)
     tile = plgpu.SMEM((CONSUMERS, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
     kv = plgpu.SMEM((CONSUMERS, kv_slots, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
     ring = plgpu.SMEM((CONSUMERS, stages, STRIP_BLOCK, Dp), q.dtype, transforms=TILE_TRANSFORMS)
@@ -346,8 +356,8 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
         # tile [c, n, 0] takes the bytes of dQ tile [c, n] (in a slot, their lifetimes are apart)
         dq_and_o = plgpu.RefUnion(acc, plgpu.SMEM((CONSUMERS, dq_slots, 2, STRIP_BLOCK, Dp),
                                                   q.dtype, transforms=TILE_TRANSFORMS))
-    static = dict(heads=heads, windows=windows, sub=sub, stages=stages, dq_slots=dq_slots,
-                  kv_slots=kv_slots, o_slots=o_slots, o_ring=o_ring,
+    static = dict(heads=heads, windows=windows, num_rows=num_rows, sub=sub, stages=stages,
+                  dq_slots=dq_slots, kv_slots=kv_slots, o_slots=o_slots, o_ring=o_ring,
                   seq_len=Tp, score_scale=plan.scale * LOG2_E, scale=plan.scale,
                   interpret=plan.interpret)
 
@@ -362,7 +372,7 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
             collective_axes="wg")
 
     def run(out_type):
-        return launch(entry, out_type, num_heads=len(heads), num_tiles=num_tiles, batch=B,
+        return launch(entry, out_type, num_heads=1, num_tiles=num_tiles, batch=1,
                       interpret=plan.interpret, warpgroups=CONSUMERS, auto_barriers=False)
 
     inputs = (q, k, v, do, lse2, out)

@@ -19,8 +19,8 @@ The consumers take the sub-strips of the (head, batch element) rows in turn, row
 a row may hold any number of them (the heuristics fill one wave of the SMs whatever the number
 of rows) and a program's two consumers may be on two rows. A program holds the two independent
 consumer warpgroups and nothing else: each issues its own TMA loads, so the pair of them has
-every register of the SM (a producer warpgroup beside each took registers whose lack spilled
-the consumers). A consumer streams the query side (Q, dO, lse2) of its sub-strip through a ring
+every register of the SM (a consumer's live tiles need them; a warpgroup beside it would take
+them). A consumer streams the query side (Q, dO, lse2) of its sub-strip through a ring
 of shared-memory slots once: query block i's slot takes block i + slots once i's last key block
 (the diagonal) is done with it. It loads its K and V blocks too: with two K/V slots the next
 key block's while it computes the current one; with one (``StripBackwardConfig.kv_slots``, for
@@ -104,14 +104,16 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, dq_ref, dk_ref, dv_ref,
     # row: row r is batch element r // len(heads), head heads[r % len(heads)]
     c = lax.axis_index("wg")
     subs = cdiv(num_blocks, sub)  # sub-strips a row
-    n = CONSUMERS * lax.axis_index("tile") + c
-    row = jnp.minimum(lax.div(n, jnp.int32(subs)), num_rows - 1)
-    slot = lax.rem(row, jnp.int32(len(heads)))
-    b, h, window = lax.div(row, jnp.int32(len(heads))), pick(slot, heads), pick(slot, windows)
+    piece = CONSUMERS * lax.axis_index("tile") + c  # the consumer's sub-strip, over all rows
+    has_work = piece < num_rows * subs
+    # a consumer past the last sub-strip (no work) keeps the last row, so its indices are valid
+    row = jnp.minimum(lax.div(piece, jnp.int32(subs)), num_rows - 1)
+    head_slot = lax.rem(row, jnp.int32(len(heads)))
+    b = lax.div(row, jnp.int32(len(heads)))
+    h, window = pick(head_slot, heads), pick(head_slot, windows)
     # the consumer's key blocks [first, end); the warm-up's from kv_start; the query stream
-    first = lax.rem(n, jnp.int32(subs)) * sub
+    first = lax.rem(piece, jnp.int32(subs)) * sub
     end = jnp.minimum(first + sub, num_blocks)
-    has_work = n < num_rows * subs
     kv_start, _ = kv_block_range(first, block, block, window, seq_len)
     _, last_end = q_block_range(end - 1, block, block, window, seq_len)
     stream_end = jnp.where(has_work, last_end, first)
@@ -353,7 +355,8 @@ def backward_call(plan, config: StripBackwardConfig, heads: tuple[int, ...], q, 
                                     transforms=TILE_TRANSFORMS))
     else:  # each float32 dQ tile holds two 16-bit tiles, the first O's: both groups of the
         # union start at its start, and leading indices are outermost in a tiled layout, so O
-        # tile [c, n, 0] takes the bytes of dQ tile [c, n] (in a slot, their lifetimes are apart)
+        # tile [c, n, 0] takes the bytes of dQ tile [c, n] (in a slot, their lifetimes are
+        # apart)
         dq_and_o = plgpu.RefUnion(acc, plgpu.SMEM((CONSUMERS, dq_slots, 2, STRIP_BLOCK, Dp),
                                                   q.dtype, transforms=TILE_TRANSFORMS))
     static = dict(heads=heads, windows=windows, num_rows=num_rows, sub=sub, stages=stages,

@@ -187,10 +187,11 @@ def _tile_programs(case: Case, num_heads: int, rows: int) -> int:
     return _head_rows(case, num_heads) * cdiv(case.seq_len, rows)
 
 
-def _programs_per_row(case: Case, heads: tuple[int, ...]) -> int:
-    """Programs each (head, batch element) row of a strip launch over ``heads`` may take while
-    the launch stays within one wave of the SMs (at least one)."""
-    return max(1, case.gpu.sms // max(_head_rows(case, len(heads)), 1))
+def _per_row(case: Case, heads: tuple[int, ...], per_sm: int = 1) -> int:
+    """Of the ``per_sm`` workers each SM runs in one wave (programs, or a program's
+    warpgroups), how many each (head, batch element) row of a strip launch over ``heads`` may
+    take while the launch stays within that wave (at least one)."""
+    return max(1, per_sm * case.gpu.sms // max(_head_rows(case, len(heads)), 1))
 
 
 def hopper_forward(case: Case, heads: tuple[int, ...]) -> HopperForwardConfig:
@@ -251,7 +252,7 @@ def strip_config(case: Case, heads: tuple[int, ...]) -> StripConfig:
     longer strip reads each key/value block fewer times. Heads of one window whose band
     spans at most ``ONE_PASS_MAX_BLOCKS`` key blocks take it in one pass."""
     num_blocks = cdiv(case.seq_len, STRIP_BLOCK)
-    strip = max(1, min(MAX_STRIP_BLOCKS, cdiv(num_blocks, _programs_per_row(case, heads))))
+    strip = max(1, min(MAX_STRIP_BLOCKS, cdiv(num_blocks, _per_row(case, heads))))
     windows = {case.windows[h] for h in heads}
     one_pass = (len(windows) == 1
                 and band_blocks(windows.pop(), STRIP_BLOCK) <= ONE_PASS_MAX_BLOCKS)
@@ -286,8 +287,7 @@ def strip_backward_config(case: Case, heads: tuple[int, ...]) -> StripBackwardCo
     least one a row; two K/V slots where they fit, else one; ``STRIP_O_SLOTS`` O tiles of their
     own where they fit too, else O in the dQ tiles."""
     num_blocks = cdiv(case.seq_len, STRIP_BLOCK)
-    consumers = strip_backward.CONSUMERS * case.gpu.sms
-    sub = max(1, cdiv(num_blocks, max(1, consumers // _head_rows(case, len(heads)))))
+    sub = max(1, cdiv(num_blocks, _per_row(case, heads, strip_backward.CONSUMERS)))
     kv_slots = 2 if strip_backward_fits(case, heads, 2) else 1
     o_slots = STRIP_O_SLOTS if strip_backward_fits(case, heads, kv_slots, STRIP_O_SLOTS) else 0
     return StripBackwardConfig(sub_blocks=sub, kv_slots=kv_slots, o_slots=o_slots)

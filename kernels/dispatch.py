@@ -9,13 +9,14 @@ in its place from one call site. Which kernels "pallas_gpu" itself launches is d
 | cpu | any | "reference" | the pure-JAX twin (dense [B, H, T, S] logits; CPU runs are small) |
 | tpu | any | "pallas_tpu" | the only block-sparse TPU path |
 | cuda | every head global, no logit statistics, no segment ids, 16-bit, D a multiple of 8 and <= 128 (``cudnn_fits``) | "cudnn" | full causal attention with nothing to skip: cuDNN's fused forward+backward is at least as fast as ours |
-| cuda, not differentiated | as the "cudnn" row on Hopper, D a multiple of 64, T >= ``HOPPER_FORWARD_MIN_SEQ_LEN`` | "pallas_gpu" | our Hopper forward alone is faster than cuDNN's forward there |
+| cuda, Hopper | any heads, D beyond our Hopper kernels' (``HOPPER_MAX_HEAD_DIM``) and within cuDNN's there, no logit statistics, no segment ids, 16-bit (``cudnn_fits``) | "cudnn" | there our kernels run only on Triton, and cuDNN (per window: the composition) is faster forward and backward |
+| cuda, not differentiated | as the first "cudnn" row, on Hopper, D a multiple of 64, T >= ``HOPPER_FORWARD_MIN_SEQ_LEN`` | "pallas_gpu" | our Hopper forward alone is faster than cuDNN's forward there |
 | cuda, no Hopper kernels | an LS mix at T >= ``SPLIT_MIN_SEQ_LEN``, 64 < D <= 128, at least ``SPLIT_MIN_GLOBAL_SHARE`` of the heads global, cuDNN takes the call (``split_fits``) | "split" (cuDNN causal for the global heads, ours for the local ones) | the global heads' O(T^2) backward dominates, and cuDNN's beats our Triton one; on Hopper our kernels keep these mixes |
 | cuda | anything else | "pallas_gpu" | any local head: ours skips the blocks outside each band; logit statistics, segment ids and float32 are ours alone |
 | rocm or other | any | error | the Pallas GPU kernels are written for CUDA, and "reference" materialises [B, H, T, S] float32 logits: the caller must choose |
 
-The D range is the one ``jax.nn.dot_product_attention(implementation="cudnn")`` accepts on
-every CUDA card (<= 128, a multiple of 8).
+The D range is the one ``jax.nn.dot_product_attention(implementation="cudnn")`` accepts: a
+multiple of 8, up to 128 on every CUDA card and up to 256 on Hopper.
 """
 
 from __future__ import annotations
@@ -58,25 +59,38 @@ SPLIT_MIN_GLOBAL_SHARE = Fraction(1, 8)
 # cuDNN's forward from this length (shorter calls are launch-bound; not measured below it).
 HOPPER_FORWARD_HEAD_DIM_MULTIPLE = 64
 HOPPER_FORWARD_MIN_SEQ_LEN = 1024
-# what jax.nn.dot_product_attention(implementation="cudnn") takes on every CUDA card
+# what jax.nn.dot_product_attention(implementation="cudnn") takes: on every CUDA card, and on
+# Hopper (where JAX allows wider heads)
 CUDNN_MAX_HEAD_DIM = 128
+CUDNN_HOPPER_MAX_HEAD_DIM = 256
 CUDNN_HEAD_DIM_MULTIPLE = 8
 
 
-def cudnn_takes(head_dim: int, dtype, has_segments: bool, return_logit_stats: bool) -> bool:
+def cudnn_takes(head_dim: int, dtype, has_segments: bool, return_logit_stats: bool,
+                hopper: bool = False) -> bool:
     """True for a call that cuDNN computes in one pass (no statistics, no segments, its dtypes
-    and head sizes)."""
+    and head sizes; ``hopper``: the wider range of a Hopper GPU)."""
+    max_head_dim = CUDNN_HOPPER_MAX_HEAD_DIM if hopper else CUDNN_MAX_HEAD_DIM
     return not (return_logit_stats or has_segments
                 or jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16)
-                or head_dim % CUDNN_HEAD_DIM_MULTIPLE or head_dim > CUDNN_MAX_HEAD_DIM)
+                or head_dim % CUDNN_HEAD_DIM_MULTIPLE or head_dim > max_head_dim)
+
+
+def _beyond_hopper_kernels(head_dim: int) -> bool:
+    """Whether the head size is wider than our Hopper kernels take."""
+    from ls_jax.kernels.pallas_gpu.heuristics import HOPPER_MAX_HEAD_DIM
+    return head_dim > HOPPER_MAX_HEAD_DIM
 
 
 def cudnn_fits(window_sizes: WindowSizes, seq_len: int, head_dim: int, dtype,
-               has_segments: bool, return_logit_stats: bool) -> bool:
-    """True for a call where cuDNN alone is faster than our kernel: every head global (full
-    causal), and cuDNN takes the call (the table in this module's docstring)."""
-    return (cudnn_takes(head_dim, dtype, has_segments, return_logit_stats)
-            and all(is_global(p, seq_len) for p in window_sizes))
+               has_segments: bool, return_logit_stats: bool, hopper: bool = False) -> bool:
+    """True for a call where cuDNN alone is faster than our kernel (the table in this module's
+    docstring): cuDNN takes the call, and every head is global (full causal) or, on Hopper,
+    the heads are wider than our Hopper kernels take."""
+    if not cudnn_takes(head_dim, dtype, has_segments, return_logit_stats, hopper):
+        return False
+    return (all(is_global(p, seq_len) for p in window_sizes)
+            or (hopper and _beyond_hopper_kernels(head_dim)))
 
 
 def split_fits(window_sizes: WindowSizes, seq_len: int, head_dim: int, dtype,
@@ -118,9 +132,10 @@ def choose_implementation(platform: str | None = None, *, window_sizes: WindowSi
     implementation = DEFAULT_IMPLEMENTATION[platform]
     if implementation == "pallas_gpu" and window_sizes is not None:
         case = (window_sizes, seq_len, head_dim, dtype, has_segments, return_logit_stats)
-        if cudnn_fits(*case):
+        hopper = _runs_hopper_kernels(hopper)
+        if cudnn_fits(*case, hopper=hopper):
             return "cudnn"
-        if not _runs_hopper_kernels(hopper) and split_fits(*case):
+        if not hopper and split_fits(*case):
             return "split"
     return implementation
 
@@ -139,7 +154,7 @@ def choose_primal_implementation(platform: str | None = None, *,
         platform, window_sizes=window_sizes, seq_len=seq_len, head_dim=head_dim, dtype=dtype,
         has_segments=has_segments, return_logit_stats=return_logit_stats, hopper=hopper)
     if (implementation == "cudnn" and head_dim % HOPPER_FORWARD_HEAD_DIM_MULTIPLE == 0
-            and seq_len >= HOPPER_FORWARD_MIN_SEQ_LEN):
+            and not _beyond_hopper_kernels(head_dim) and seq_len >= HOPPER_FORWARD_MIN_SEQ_LEN):
         if _runs_hopper_kernels(hopper):
             return "pallas_gpu"
     return implementation

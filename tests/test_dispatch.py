@@ -38,7 +38,7 @@ def test_platform_defaults():
     ((None,) * 4, {"dtype": jnp.float32}, "pallas_gpu"),
     ((None,) * 4, {"dtype": jnp.float16}, "cudnn"),
     ((None,) * 4, {"head_dim": 128}, "cudnn"),
-    ((None,) * 4, {"head_dim": 256}, "pallas_gpu"),   # beyond cuDNN's range on every card
+    ((None,) * 4, {"head_dim": 256}, "pallas_gpu"),   # beyond cuDNN's range off Hopper
     ((None,) * 4, {"head_dim": 36}, "pallas_gpu"),    # not a multiple of 8
     # long LS mixes whose global heads dominate go to "split": cuDNN causal for the global
     # heads, ours for the local ones (dispatch.SPLIT_*)
@@ -82,6 +82,26 @@ def test_hopper_keeps_ls_mixes_on_ours(windows, changes):
     want = "cudnn" if all(w is None for w in windows) else "pallas_gpu"
     assert choose_implementation("cuda", window_sizes=windows, hopper=True,
                                  **{**CASE, **changes}) == want
+
+
+@pytest.mark.parametrize("windows,changes,want", [
+    ((None,) * 4, {"head_dim": 256}, "cudnn"),
+    ((None,) + (128,) * 3, {"head_dim": 256}, "cudnn"),  # an LS mix too
+    ((128,) * 4, {"head_dim": 136}, "cudnn"),  # every head local
+    ((None,) + (128,) * 3, {"head_dim": 192, "seq_len": 65536}, "cudnn"),
+    ((None,) + (128,) * 3, {"head_dim": 128}, "pallas_gpu"),  # within our Hopper kernels
+    ((None,) + (128,) * 3, {"head_dim": 264}, "pallas_gpu"),  # beyond cuDNN's range
+    ((None,) + (128,) * 3, {"head_dim": 196}, "pallas_gpu"),  # not a multiple of 8
+    ((None,) + (128,) * 3, {"head_dim": 256, "return_logit_stats": True}, "pallas_gpu"),
+    ((None,) + (128,) * 3, {"head_dim": 256, "has_segments": True}, "pallas_gpu"),
+    ((None,) + (128,) * 3, {"head_dim": 256, "dtype": jnp.float32}, "pallas_gpu"),
+])
+def test_hopper_sends_heads_beyond_its_kernels_to_cudnn(windows, changes, want):
+    """On Hopper, heads wider than our Mosaic GPU kernels take (where cuDNN takes them) run on
+    cuDNN whatever the mix, differentiated or not: ours would run them on Triton."""
+    case = dict(window_sizes=windows, hopper=True, **{**CASE, **changes})
+    assert choose_implementation("cuda", **case) == want
+    assert dispatch.choose_primal_implementation("cuda", **case) == want
 
 
 @pytest.mark.parametrize("platform", ["rocm", "metal"])
@@ -202,6 +222,41 @@ def test_cuda_default_matches_reference():
         want = reference_attention_parts(*(x.astype(jnp.float32) for x in (q, k, v)), windows)[0]
         err = np.linalg.norm(np.asarray(out, np.float32) - want) / np.linalg.norm(want)
         assert err < 1e-2, (windows, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("windows", [(None,) * 4, (None, 50, 128, 128)],
+                         ids=["all-global", "mix"])
+def test_cuda_wide_heads_run_cudnn_on_hopper(windows):
+    """Heads wider than our Hopper kernels take run on cuDNN there, forward and under
+    jax.grad, with no kernel of ours in either program, and match the reference."""
+    import numpy as np
+
+    from ls_jax.kernels.pallas_gpu.heuristics import current_gpu
+    from ls_jax.kernels.reference import reference_attention_parts
+
+    if not current_gpu().hopper:
+        pytest.skip("cuDNN takes heads wider than 128 on Hopper only")
+    keys = jax.random.split(jax.random.key(3), 4)
+    q, k, v, w = (jax.random.normal(key, (1, 1024, 4, 256), jnp.bfloat16) for key in keys)
+
+    def loss(q, k, v):
+        return jnp.sum(ls_attention(q, k, v, windows).astype(jnp.float32) * w)
+
+    forward = jax.jit(lambda q, k, v: ls_attention(q, k, v, windows))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    for program in (forward.lower(q, k, v).as_text(), grad.lower(q, k, v).as_text()):
+        assert "cudnn" in program
+        assert "mosaic_gpu" not in program and "triton" not in program
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = reference_attention_parts(*f32, windows)[0]
+    out = np.asarray(forward(q, k, v), np.float32)
+    assert np.linalg.norm(out - want) / np.linalg.norm(want) < 1e-2
+    want_grads = jax.grad(lambda *x: jnp.sum(reference_attention_parts(*x, windows)[0] * w),
+                          argnums=(0, 1, 2))(*f32)
+    for got, want in zip(grad(q, k, v), want_grads):
+        got = np.asarray(got, np.float32)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
 @pytest.mark.gpu

@@ -102,6 +102,17 @@ def live_f32_registers(launch: Launch, head_dim: int) -> int:
     return cdiv(elements, WARPGROUP_THREADS)
 
 
+def triton_smem(config: TritonConfig, head_dim: int, itemsize: int) -> dict[str, int]:
+    """Each Triton kernel's pipelined buffers: its own tiles (the forward's query tile; dQ's Q
+    and dO tiles; dK/dV's K and V tiles) and ``num_stages`` of each streamed pair (K and V;
+    K and V; Q and dO)."""
+    stages = config.num_stages
+    rows = {"forward": config.block_q + 2 * stages * config.block_k,
+            "dq": 2 * config.dq_block_q + 2 * stages * config.dq_block_k,
+            "dkdv": 2 * config.dkdv_block_k + 2 * stages * config.dkdv_block_q}
+    return {name: n * head_dim * itemsize for name, n in rows.items()}
+
+
 # ---------------------------------------------------------------------------------------------
 # The grid
 
@@ -127,7 +138,7 @@ PLATFORMS = {  # name: (dtype, has_segments, gpu)
     "bf16-not-hopper": (jnp.bfloat16, False, OTHER_GPU),
     "fp32-not-hopper": (jnp.float32, False, OTHER_GPU),
 }
-HEAD_DIMS = (32, 64, 96, 128)
+HEAD_DIMS = (32, 64, 96, 128, 256)
 SEQ_LENS = (1000, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 BATCHES = (1, 2, 4, 8)
 MIXES = ("all-global", "1g", "2g", "3g", "4g", "all-local")
@@ -168,9 +179,10 @@ def grid() -> tuple[tuple[Case, Launches], ...]:
 
 def hopper_capable(case: Case) -> bool:
     """What the Mosaic GPU kernels need: a Hopper GPU, 16-bit inputs (wgmma), a padded head
-    size of whole 128-byte rows, no segment ids."""
+    size of whole 128-byte rows up to ``HOPPER_MAX_HEAD_DIM``, no segment ids."""
     return (case.gpu.hopper and jnp.dtype(case.dtype) in (jnp.bfloat16, jnp.float16)
-            and case.head_dim % 64 == 0 and not case.has_segments)
+            and case.head_dim % 64 == 0 and case.head_dim <= heuristics.HOPPER_MAX_HEAD_DIM
+            and not case.has_segments)
 
 
 def lowering_of(launches: tuple[Launch, ...], head: int) -> Launch:
@@ -872,3 +884,18 @@ def test_triton_block_is_the_least_power_of_two_from_16(n, block):
     from ls_jax.kernels.pallas_gpu.common import triton_block
 
     assert triton_block(n) == block
+
+
+def test_triton_tiles_fit_shared_memory():
+    """Every Triton launch's pipelined buffers (``triton_smem``) fit shared memory, at every
+    head size of the grid (up to 256)."""
+    widest = 0
+    for case, launches in grid():
+        itemsize = jnp.dtype(case.dtype).itemsize
+        for name, launch in all_launches(launches):
+            if launch.lowering != "triton":
+                continue
+            widest = max(widest, case.head_dim)
+            for kernel, size in triton_smem(launch.config, case.head_dim, itemsize).items():
+                assert size <= SMEM_BYTES, (name, kernel, size, describe(case))
+    assert widest == max(HEAD_DIMS)

@@ -685,6 +685,11 @@ GPU_CASES = [
     pytest.param(Shape(1, 1024, 2, 2, 128, (None,) * 2, jnp.bfloat16), id="d128-all-global"),
     pytest.param(Shape(2, 1000, 4, 4, 128, (50, 512, 1, 128), jnp.bfloat16),
                  id="d128-all-local"),
+    # beyond the Hopper kernels' head sizes: Triton's smaller tiles (D=192 padded to 256)
+    pytest.param(Shape(1, 700, 4, 2, 192, (None, 50, 128, None), jnp.bfloat16),
+                 id="d192-mix-padded"),
+    pytest.param(Shape(1, 1024, 2, 2, 256, (None, None), jnp.bfloat16), id="d256-all-global"),
+    pytest.param(Shape(1, 600, 2, 1, 256, (None, 100), jnp.float32), id="fp32-d256-mix"),
     # every head on the Hopper forward with three consumers (8 x 16 heads x 9 tiles)
     pytest.param(Shape(8, 1550, 16, 4, 128, (None, 256, 512, 300, None, 1549, 700)
                        + (256,) * 9, jnp.bfloat16), id="d128-wide-windows-gqa"),

@@ -33,6 +33,9 @@ SMEM_BYTES = 232448
 SMEM_SPARE = 4096
 REFERENCE_SMS = 132  # the SMs of the reference Hopper GPU, which interpret mode plans for
 
+# The Triton kernels' larger tiles (128 rows with every head global; in float32, 64-row dQ and
+# 64-key dK/dV tiles) fit shared memory with their pipeline stages up to this head size.
+TRITON_LARGE_TILE_MAX_HEAD_DIM = 128
 # Three forward consumers make tiles 1.5x longer, so fewer programs: they pay only from this
 # many programs of the global heads (about two waves on the reference GPU).
 THREE_CONSUMER_MIN_PROGRAMS = 256
@@ -165,10 +168,14 @@ def hopper_runs(case: Case) -> bool:
 def triton_config(case: Case) -> TritonConfig:
     """The Triton tiles: small ones for narrow bands; with every head global, 128-row forward
     and dQ tiles and 128-key dK/dV tiles, the forward's interior tiles in a loop of their own,
-    and 8 warps for D > 64; float32 dots take small tiles and fewer stages."""
+    and 8 warps for D > 64; float32 dots take small tiles and fewer stages. Beyond
+    ``TRITON_LARGE_TILE_MAX_HEAD_DIM`` the smaller tiles of each kind."""
     if jnp.dtype(case.dtype) == jnp.float32:
+        if case.head_dim > TRITON_LARGE_TILE_MAX_HEAD_DIM:
+            return TritonConfig(block_q=64, block_k=32, dq_block_q=32, dkdv_block_k=32,
+                                num_stages=2)
         return TritonConfig(block_q=64, block_k=32, num_stages=2)
-    if not case.local_heads():
+    if not case.local_heads() and case.head_dim <= TRITON_LARGE_TILE_MAX_HEAD_DIM:
         return TritonConfig(block_q=128, dq_block_q=128, dkdv_block_k=128, split_loop=True,
                             num_warps=8 if case.head_dim > 64 else 4)
     return TritonConfig()

@@ -564,7 +564,7 @@ def test_three_forward_consumers_from_enough_programs():
     assert _forward_consumers(T, 1, (None,) + (128,) * 15).consumers == 2
     assert _forward_consumers(T * HEADS, 1, (None,) + (128,) * 15).consumers == 3
 
-    wide = heuristics.LOCAL_HOPPER_FORWARD_MIN_WINDOW
+    wide = heuristics.LOCAL_HOPPER_FORWARD_MIN_BLOCKS * 128  # beside a global head
     windows = (None,) + (wide,) * 15
     need = heuristics.EVERY_HEAD_THREE_CONSUMER_MIN_PROGRAMS
     assert need % HEADS == 0
@@ -625,19 +625,24 @@ def test_short_d64_mixes_run_one_triton_backward():
             assert lowerings(d128.backward) == [("hopper", every)], (kv, T_)
 
 
-def test_wide_local_windows_share_the_hopper_forward():
-    """LOCAL_HOPPER_FORWARD_MIN_WINDOW (at D=LOCAL_HOPPER_BACKWARD_HEAD_DIM): local heads whose
-    windows are all at least that wide run in the global heads' Hopper launch; one narrower
-    window sends the local heads to their own launch."""
+@pytest.mark.parametrize("mix,block_k", [("1g", 128), ("all-local", 64)],
+                         ids=["beside-a-global-head", "every-head-local"])
+def test_wide_local_windows_share_the_hopper_forward(mix, block_k):
+    """LOCAL_HOPPER_FORWARD_MIN_BLOCKS (at D=LOCAL_HOPPER_BACKWARD_HEAD_DIM): local heads whose
+    windows all span at least that many of the Hopper forward's key blocks (128 keys beside a
+    global head, 64 without) run on it, in one launch with the global heads; one narrower
+    window sends the local heads to a Triton launch of their own."""
     D = heuristics.LOCAL_HOPPER_BACKWARD_HEAD_DIM
-    wide = heuristics.LOCAL_HOPPER_FORWARD_MIN_WINDOW
+    wide = heuristics.LOCAL_HOPPER_FORWARD_MIN_BLOCKS * block_k
     every = tuple(range(HEADS))
     for window in (wide, (wide, 2 * wide)):
-        launches = heuristics.launches(make_case("bf16", D, 8192, 4, "1g", window, HEADS))
+        launches = heuristics.launches(make_case("bf16", D, 8192, 4, mix, window, HEADS))
         assert lowerings(launches.forward) == [("hopper", every)], window
-    launches = heuristics.launches(make_case("bf16", D, 8192, 4, "1g", (wide, wide - 1), HEADS))
-    assert [l.lowering for l in launches.forward] == ["hopper", "triton"]
-    assert launches.forward[0].heads == (0,)
+        assert launches.forward[0].config.block_k == block_k
+    launches = heuristics.launches(make_case("bf16", D, 8192, 4, mix, (wide, wide - 1), HEADS))
+    glob = (0,) if mix == "1g" else ()
+    assert lowerings(launches.forward) == (
+        [("hopper", glob)] if glob else []) + [("triton", every[len(glob):])]
 
 
 def test_the_padded_head_size_decides():

@@ -685,6 +685,9 @@ GPU_CASES = [
     pytest.param(Shape(1, 1024, 2, 2, 128, (None,) * 2, jnp.bfloat16), id="d128-all-global"),
     pytest.param(Shape(2, 1000, 4, 4, 128, (50, 512, 1, 128), jnp.bfloat16),
                  id="d128-all-local"),
+    # every window at least two 64-key blocks: every head on the Hopper forward
+    pytest.param(Shape(2, 1000, 4, 2, 128, (128, 200, 512, 129), jnp.bfloat16),
+                 id="d128-all-local-wide-gqa-padded"),
     # beyond the Hopper kernels' head sizes: Triton's smaller tiles (D=192 padded to 256)
     pytest.param(Shape(1, 700, 4, 2, 192, (None, 50, 128, None), jnp.bfloat16),
                  id="d192-mix-padded"),

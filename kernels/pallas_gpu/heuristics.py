@@ -51,9 +51,10 @@ THREE_BWD_CONSUMER_MAX_HEAD_DIM = 64
 # The local heads take the Hopper backward at this head size; at D=64 the Triton kernels'
 # 32-row tiles waste less of a narrow band.
 LOCAL_HOPPER_BACKWARD_HEAD_DIM = 128
-# ... and the Hopper forward where every local window is at least this wide; narrower bands
-# leave most of a 128-key block masked.
-LOCAL_HOPPER_FORWARD_MIN_WINDOW = 256
+# ... and the Hopper forward where every local window spans at least this many of the
+# launch's key blocks (128 keys beside a global head, 64 without); a narrower band leaves
+# most of its blocks masked.
+LOCAL_HOPPER_FORWARD_MIN_BLOCKS = 2
 # D <= 64 LS mixes run the global heads on the Hopper backward beside a Triton launch for the
 # local heads from this length; below it one Triton launch for every head is faster, from it
 # the split keeps pace and gains with length.
@@ -302,8 +303,10 @@ def strip_backward_config(case: Case, heads: tuple[int, ...]) -> StripBackwardCo
 
 def _local_on_hopper_forward(case: Case) -> bool:
     local = case.local_heads()
-    return (bool(local) and case.head_dim == LOCAL_HOPPER_BACKWARD_HEAD_DIM
-            and min(case.windows[h] for h in local) >= LOCAL_HOPPER_FORWARD_MIN_WINDOW)
+    if not local or case.head_dim != LOCAL_HOPPER_BACKWARD_HEAD_DIM:
+        return False
+    block_k = hopper_forward(case, tuple(range(case.num_heads))).block_k
+    return min(case.windows[h] for h in local) >= LOCAL_HOPPER_FORWARD_MIN_BLOCKS * block_k
 
 
 def forward_launches(case: Case) -> tuple[Launch, ...]:

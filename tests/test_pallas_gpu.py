@@ -539,6 +539,13 @@ LOWERING_CASES = [
                           [("hopper", (0,), BWD2),
                            ("strip", (1, 2, 3), StripBackwardConfig(sub_blocks=4, kv_slots=1))]),
                  id="d64-one-window-strips-one-kv-slot"),
+    # one local head past head 0: its index and window are constants the kernels capture
+    pytest.param(64, (None, 128), 2,
+                 launches(2, 2, [("hopper", (0,), WIDE_FWD3),
+                                 ("strip", (1,), StripConfig(strip_blocks=4, one_pass=True))],
+                          [("hopper", (0,), BWD2),
+                           ("strip", (1,), StripBackwardConfig(sub_blocks=4, kv_slots=1))]),
+                 id="d64-one-local-head-one-kv-slot"),
 ]
 
 
@@ -713,6 +720,9 @@ GPU_CASES = [
     # ... with one K/V slot for heads of one window of 128
     pytest.param(Shape(1, 8300, 4, 4, 64, (None, 128, 128, 128), jnp.bfloat16),
                  id="d64-one-window-128-strip-backward-padded"),
+    # ... for one local head past head 0 (its index a constant)
+    pytest.param(Shape(1, 8192, 2, 2, 64, (None, 128), jnp.bfloat16),
+                 id="d64-one-local-head-strip-backward"),
 ]
 
 

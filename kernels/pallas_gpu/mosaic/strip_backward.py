@@ -111,6 +111,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, o_ref, dq_ref, dk_ref, dv_ref,
     head_slot = lax.rem(row, jnp.int32(len(heads)))
     b = lax.div(row, jnp.int32(len(heads)))
     h, window = pick(head_slot, heads), pick(head_slot, windows)
+    if len(heads) == 1:  # h traced: the one-slot V load captures it inside a pl.run_state
+        h = h + 0 * head_slot  # body, whose constant operands the Mosaic GPU lowering rejects
     # the consumer's key blocks [first, end); the warm-up's from kv_start; the query stream
     first = lax.rem(piece, jnp.int32(subs)) * sub
     end = jnp.minimum(first + sub, num_blocks)

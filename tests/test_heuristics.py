@@ -234,16 +234,19 @@ def test_hopper_kernels_take_the_global_heads_where_they_run():
     """Where the Mosaic GPU kernels can run, the global heads run on them in the forward, and
     in the backward but for the documented exception: an LS mix at D <= 64 that is short
     (below ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN``) or GQA (a split backward needs one kv head per
-    query head) runs its whole backward on Triton."""
+    query head) runs its whole backward on Triton, unless its local windows are all wide
+    (``WIDE_LOCAL_HOPPER_MIN_WINDOW``: every head on the Hopper backward)."""
     for case, launches in grid():
         if not hopper_capable(case):
             continue
         glob, local = case.global_heads(), case.local_heads()
         for h in glob:
             assert lowering_of(launches.forward, h).lowering == "hopper", describe(case)
+        short = case.seq_len < heuristics.SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
+        wide = bool(local) and min(case.windows[h] for h in local) >= (
+            heuristics.WIDE_LOCAL_HOPPER_MIN_WINDOW)
         whole_triton = bool(local) and case.head_dim <= 64 and (
-            case.seq_len < heuristics.SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
-            or case.num_kv_heads != HEADS)
+            short or case.num_kv_heads != HEADS) and not (wide and not short)
         if whole_triton and glob:
             assert [l.lowering for l in launches.backward] == ["triton"], describe(case)
         else:
@@ -643,6 +646,25 @@ def test_wide_local_windows_share_the_hopper_forward(mix, block_k):
     glob = (0,) if mix == "1g" else ()
     assert lowerings(launches.forward) == (
         [("hopper", glob)] if glob else []) + [("triton", every[len(glob):])]
+
+
+@pytest.mark.parametrize("kv", [HEADS, 4], ids=["mha", "gqa"])
+@pytest.mark.parametrize("mix", ["1g", "all-local"])
+def test_wide_d64_local_windows_run_on_the_hopper_kernels(mix, kv):
+    """WIDE_LOCAL_HOPPER_MIN_WINDOW (D=64, from SPLIT_MIX_BACKWARD_MIN_SEQ_LEN): local heads
+    whose windows are all at least that wide take the Hopper backward with every other head,
+    GQA too, and beside a global head the Hopper forward; one narrower window, or a shorter
+    sequence, keeps the narrow bands' launches."""
+    wide, T = heuristics.WIDE_LOCAL_HOPPER_MIN_WINDOW, heuristics.SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
+    every = tuple(range(HEADS))
+    launches = heuristics.launches(make_case("bf16", 64, T, 4, mix, (wide, 2 * wide), kv))
+    assert lowerings(launches.backward) == [("hopper", every)]
+    forward = [l.lowering for l in launches.forward]
+    assert forward == (["hopper"] if mix == "1g" else ["triton"])
+    for window, length in (((wide, wide - 1), T), (wide, T - STRIP_BLOCK)):
+        launches = heuristics.launches(make_case("bf16", 64, length, 4, mix, window, kv))
+        assert ("hopper", every) not in lowerings(launches.backward), (window, length)
+        assert [l.lowering for l in launches.forward][-1] == "triton", (window, length)
 
 
 def test_the_padded_head_size_decides():

@@ -539,6 +539,9 @@ LOWERING_CASES = [
                           [("hopper", (0,), BWD2),
                            ("strip", (1, 2, 3), StripBackwardConfig(sub_blocks=4, kv_slots=1))]),
                  id="d64-one-window-strips-one-kv-slot"),
+    # local windows of at least four 128-key blocks: every head on the Hopper kernels
+    pytest.param(64, (None, 512, 600, 1000), 4, decided(64, (None, 512, 600, 1000), 8192, 4),
+                 id="decided-d64-wide-windows"),
     # one local head past head 0: its index and window are constants the kernels capture
     pytest.param(64, (None, 128), 2,
                  launches(2, 2, [("hopper", (0,), WIDE_FWD3),
@@ -720,6 +723,9 @@ GPU_CASES = [
     # ... with one K/V slot for heads of one window of 128
     pytest.param(Shape(1, 8300, 4, 4, 64, (None, 128, 128, 128), jnp.bfloat16),
                  id="d64-one-window-128-strip-backward-padded"),
+    # local windows of at least four 128-key blocks: every head on the Hopper kernels, GQA
+    pytest.param(Shape(1, 8192, 4, 2, 64, (None, 512, 600, 1000), jnp.bfloat16),
+                 id="d64-wide-windows-gqa"),
     # ... for one local head past head 0 (its index a constant)
     pytest.param(Shape(1, 8192, 2, 2, 64, (None, 128), jnp.bfloat16),
                  id="d64-one-local-head-strip-backward"),

@@ -55,6 +55,11 @@ LOCAL_HOPPER_BACKWARD_HEAD_DIM = 128
 # launch's key blocks (128 keys beside a global head, 64 without); a narrower band leaves
 # most of its blocks masked.
 LOCAL_HOPPER_FORWARD_MIN_BLOCKS = 2
+# At D=64, from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN``, the local heads run on the Hopper kernels
+# where every window is at least this wide (a band of four of the forward's 128-key blocks):
+# there Triton's small tiles save less masked work than they cost a tile. The backward takes
+# any mix; the forward a mix with a global head (every head local, 64-key blocks do not pay).
+WIDE_LOCAL_HOPPER_MIN_WINDOW = 512
 # D <= 64 LS mixes run the global heads on the Hopper backward beside a Triton launch for the
 # local heads from this length; below it one Triton launch for every head is faster, from it
 # the split keeps pace and gains with length.
@@ -301,9 +306,22 @@ def strip_backward_config(case: Case, heads: tuple[int, ...]) -> StripBackwardCo
     return StripBackwardConfig(sub_blocks=sub, kv_slots=kv_slots, o_slots=o_slots)
 
 
+def _wide_local(case: Case) -> bool:
+    """D=64 from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN``, every local head's window at least
+    ``WIDE_LOCAL_HOPPER_MIN_WINDOW``."""
+    local = case.local_heads()
+    return (bool(local) and case.head_dim == STRIP_HEAD_DIM
+            and case.seq_len >= SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
+            and min(case.windows[h] for h in local) >= WIDE_LOCAL_HOPPER_MIN_WINDOW)
+
+
 def _local_on_hopper_forward(case: Case) -> bool:
     local = case.local_heads()
-    if not local or case.head_dim != LOCAL_HOPPER_BACKWARD_HEAD_DIM:
+    if not local:
+        return False
+    if case.head_dim == STRIP_HEAD_DIM:
+        return _wide_local(case) and bool(case.global_heads())
+    if case.head_dim != LOCAL_HOPPER_BACKWARD_HEAD_DIM:
         return False
     block_k = hopper_forward(case, tuple(range(case.num_heads))).block_k
     return min(case.windows[h] for h in local) >= LOCAL_HOPPER_FORWARD_MIN_BLOCKS * block_k
@@ -311,8 +329,9 @@ def _local_on_hopper_forward(case: Case) -> bool:
 
 def forward_launches(case: Case) -> tuple[Launch, ...]:
     """The forward: the global heads on the Hopper forward, the local heads as strips (D=64,
-    from ``STRIP_MIN_SEQ_LEN``) or on the Hopper forward too (D=128, wide windows), the rest on
-    the Triton forward."""
+    from ``STRIP_MIN_SEQ_LEN``) or on the Hopper forward too (wide windows:
+    ``LOCAL_HOPPER_FORWARD_MIN_BLOCKS`` at D=128, ``WIDE_LOCAL_HOPPER_MIN_WINDOW`` at D=64),
+    the rest on the Triton forward."""
     everything = tuple(range(case.num_heads))
     if not hopper_runs(case):
         return (Launch("triton", everything, triton_config(case)),)
@@ -328,9 +347,10 @@ def forward_launches(case: Case) -> tuple[Launch, ...]:
 
 
 def backward_launches(case: Case) -> tuple[Launch, ...]:
-    """The backward: every head on the Hopper kernels with every head global or at D=128; in
-    other mixes with one kv head per query head, from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN`` at
-    D <= 64, the global heads on them and the local heads as fused strips
+    """The backward: every head on the Hopper kernels with every head global, at D=128, or at
+    D=64 with wide windows (``WIDE_LOCAL_HOPPER_MIN_WINDOW``); in other mixes with one kv head
+    per query head, from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN`` at D <= 64, the global heads on
+    them and the local heads as fused strips
     (``strip_backward_fits``, ``one_slot_strip_backward``) or on the Triton kernels; else
     every head on the Triton kernels."""
     everything = tuple(range(case.num_heads))
@@ -338,7 +358,7 @@ def backward_launches(case: Case) -> tuple[Launch, ...]:
     if not hopper_runs(case):
         return triton_all
     glob, local = case.global_heads(), case.local_heads()
-    if not local or case.head_dim == LOCAL_HOPPER_BACKWARD_HEAD_DIM:
+    if not local or case.head_dim == LOCAL_HOPPER_BACKWARD_HEAD_DIM or _wide_local(case):
         return (Launch("hopper", everything, hopper_backward(case)),)
     short_narrow = case.head_dim <= 64 and case.seq_len < SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
     if short_narrow or case.num_kv_heads != case.num_heads:

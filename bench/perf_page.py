@@ -32,6 +32,7 @@ Measured tables with card, commit and the commands that regenerate them, written
 bench/perf_page.py` from `docs/performance/*.json` (`tests/test_perf_page.py` checks that the
 two agree); `python bench/kernel_tables.py docs/performance/<table>.json` reruns a kernel
 table's commands. Why the kernels are built as they are: [kernel-notes.md](kernel-notes.md).
+Shapes beyond the tables, against the composition: `python bench/shapes.py --check`.
 
 How to read the kernel tables (`bench/attention.py`):
 - **Timing**: a sample is the mean of `--batch` back-to-back calls on fresh inputs (more if they

@@ -1,0 +1,157 @@
+"""What users get (``ls_attention`` with its default backend) against the cuDNN composition on
+shapes around the tables' ones: heads, batch, length, head size, GQA and windows varied, forward
+and forward+backward, with each row's largest relative error against the composition (output
+and gradients). A row below --min-ratio in either direction is marked "slower"; --check makes
+any such row an exit status of 1.
+
+  python bench/shapes.py                          # every shape
+  python bench/shapes.py --shapes d256-mix,d64-wide-windows --check
+  python bench/shapes.py --list                   # the shapes, one a line
+
+Timing as in bench/attention.py (fresh bf16 inputs, the median of --reps samples). Prints a
+markdown table and each row as a JSON line when measured; with --out, the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import attention as bench  # bench/attention.py, beside this script
+
+# name: (D, batch, T, query heads, kv heads, global heads, local windows cycled over the rest)
+SHAPES = {
+    "paper-layer": (64, 4, 8192, 16, 16, 1, (128,)),
+    "d64-batch1-t4096": (64, 1, 4096, 16, 16, 1, (128,)),
+    "d64-batch2-t16384": (64, 2, 16384, 16, 16, 1, (128,)),
+    "d64-batch8-p64": (64, 8, 8192, 16, 16, 1, (64,)),
+    "d64-batch16-t1024": (64, 16, 1024, 16, 16, 1, (128,)),
+    "d64-batch32-t512": (64, 32, 512, 8, 8, 1, (64,)),
+    "d64-gqa": (64, 4, 8192, 16, 4, 1, (128,)),
+    "d64-mqa": (64, 4, 8192, 16, 1, 1, (128,)),
+    "d64-gqa-all-local": (64, 4, 8192, 16, 2, 0, (128,)),
+    "d64-gqa-t32768": (64, 2, 32768, 16, 4, 2, (128,)),
+    "d64-12-heads-p100": (64, 4, 8192, 12, 12, 1, (100,)),
+    "d64-32-heads": (64, 2, 8192, 32, 32, 2, (128,)),
+    "d64-8-heads": (64, 4, 8192, 8, 8, 1, (128,)),
+    "d64-half-global": (64, 4, 8192, 16, 16, 8, (128,)),
+    "d64-one-local-head": (64, 4, 8192, 16, 16, 15, (128,)),
+    "d64-p1": (64, 4, 8192, 16, 16, 1, (1,)),
+    "d64-p32-4-global": (64, 4, 8192, 16, 16, 4, (32,)),
+    "d64-p256-2-global": (64, 4, 8192, 16, 16, 2, (256,)),
+    "d64-p512": (64, 4, 8192, 16, 16, 1, (512,)),
+    "d64-wide-windows": (64, 4, 8192, 16, 16, 1, (4000,)),
+    "d64-mixed-windows": (64, 4, 8192, 16, 16, 1, (32, 128, 256)),
+    "d64-t6000": (64, 4, 6000, 16, 16, 1, (128,)),
+    "d64-t2048": (64, 4, 2048, 16, 16, 1, (64,)),
+    "d64-all-local-p96": (64, 4, 8192, 16, 16, 0, (96,)),
+    "d128-mix": (128, 4, 8192, 16, 16, 1, (128,)),
+    "d128-all-local": (128, 4, 8192, 16, 16, 0, (128,)),
+    "d128-all-local-p256": (128, 2, 16384, 16, 16, 0, (256,)),
+    "d128-gqa-p256": (128, 2, 16384, 8, 2, 1, (256,)),
+    "d128-4-global-p512": (128, 4, 8192, 16, 16, 4, (512,)),
+    "d128-batch1-t32768": (128, 1, 32768, 8, 8, 1, (512,)),
+    "d32-mix": (32, 4, 8192, 16, 16, 1, (128,)),
+    "d32-all-local-t32768": (32, 1, 32768, 16, 16, 0, (50,)),
+    "d16-mix": (16, 4, 8192, 16, 16, 1, (128,)),
+    "d48-mix": (48, 4, 8192, 16, 16, 1, (128,)),
+    "d96-mix": (96, 4, 8192, 16, 16, 1, (128,)),
+    "d192-mix": (192, 2, 4096, 8, 8, 1, (128,)),
+    "d256-mix": (256, 2, 4096, 8, 8, 1, (128,)),
+    "d256-all-global": (256, 2, 4096, 8, 8, 8, ()),
+}
+
+
+def windows_of(shape) -> tuple:
+    """The call's windows: the global heads first (None), then the local windows in turn."""
+    _, _, _, H, _, n_global, local = shape
+    return (None,) * n_global + tuple(local[i % len(local)] for i in range(H - n_global))
+
+
+def measure(name: str, args) -> dict:
+    D, B, T, H, Hkv, _, _ = SHAPES[name]
+    windows = windows_of(SHAPES[name])
+    row = {"shape": name, "D": D, "B": B, "T": T, "H": H, "Hkv": Hkv}
+    sets = bench.make_input_sets(B, T, H, D, jnp.bfloat16, seed=T + D, kv_heads=Hkv)
+    ours, ours_grad = bench.attention_fns("auto", windows, D, None)
+    comp, comp_grad = bench.attention_fns("cudnn_ls", windows, D, None)
+    x = sets[0]
+    row["error"] = max([bench.rel_err(ours(*x), comp(*x))]
+                       + [bench.rel_err(g, w) for g, w in zip(ours_grad(*x), comp_grad(*x))])
+    for key, fn in (("fwd_ours", ours), ("fwd_comp", comp), ("fb_ours", ours_grad),
+                    ("fb_comp", comp_grad)):
+        row[key] = bench.time_ms(fn, sets, args.reps, args.warmup, args.batch)
+    row["r_fwd"] = row["fwd_comp"] / row["fwd_ours"]
+    row["r_fb"] = row["fb_comp"] / row["fb_ours"]
+    row["slower"] = min(row["r_fwd"], row["r_fb"]) < args.min_ratio
+    return row
+
+
+def print_table(rows, args):
+    print(f"\n## {jax.devices()[0].device_kind}, jax {jax.__version__}, bf16, ours = "
+          f"ls_attention's default, comp. = the cuDNN composition, median of {args.reps}")
+    print("| shape | D | B | T | H / kv | fwd ms: ours / comp. | f+b ms: ours / comp. | "
+          "ratio fwd, f+b | max rel. error | |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['D']} | {r['B']} | {r['T']} | {r['H']} / {r['Hkv']} | "
+              f"{r['fwd_ours']:.3f} / {r['fwd_comp']:.3f} | {r['fb_ours']:.3f} / "
+              f"{r['fb_comp']:.3f} | {r['r_fwd']:.2f}x, {r['r_fb']:.2f}x | {r['error']:.1e} | "
+              f"{'slower' if r['slower'] else ''} |")
+
+
+def fail(message: str):
+    print(f"shapes.py: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="names, comma separated")
+    ap.add_argument("--list", action="store_true", help="print the shapes and exit")
+    ap.add_argument("--min-ratio", type=float, default=1.0,
+                    help="composition / ours below this marks a row slower")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a row is slower")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=3, help="back-to-back calls per sample")
+    ap.add_argument("--out", help="write the rows here as JSON")
+    args = ap.parse_args(argv)
+    if args.list:
+        for name, (D, B, T, H, Hkv, n_global, local) in SHAPES.items():
+            print(f"{name}: D={D} B={B} T={T} heads {H} (kv {Hkv}), {n_global} global, "
+                  f"local windows {local}")
+        return
+    names = [n for n in args.shapes.split(",") if n]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown or not names:
+        fail(f"unknown shape {unknown[0] if unknown else '(none given)'!r} "
+             "(python bench/shapes.py --list names them)")
+    if args.reps < 1 or args.batch < 1 or args.warmup < 0:
+        fail("--reps and --batch must be >= 1, --warmup >= 0")
+    if jax.default_backend() != "gpu":
+        fail(f"needs a CUDA GPU for the cuDNN composition; JAX backend is "
+             f"{jax.default_backend()!r}")
+    rows = []
+    for name in names:
+        start = time.perf_counter()
+        row = measure(name, args)
+        row["seconds"] = round(time.perf_counter() - start, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print_table(rows, args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"card": jax.devices()[0].device_kind, "jax": jax.__version__,
+                       "rows": rows}, f, indent=1)
+    if args.check and any(r["slower"] for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""bench/shapes.py on CPU: every shape is a call the library plans on a Hopper GPU; --list
+names each once; bad input, or no GPU, is one error line and exit 2."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from bench_scripts import load  # tests/, beside this file
+from ls_jax.kernels import explain
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "shapes.py")
+ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+shapes = load("shapes")
+
+
+def run(*args):
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env=ENV)
+
+
+@pytest.mark.parametrize("name", list(shapes.SHAPES))
+def test_each_shape_plans_on_hopper(name):
+    D, B, T, H, Hkv, n_global, local = shapes.SHAPES[name]
+    windows = shapes.windows_of(shapes.SHAPES[name])
+    assert len(windows) == H and windows.count(None) == n_global and H % Hkv == 0
+    q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, T, Hkv, D), jnp.bfloat16)
+    assert "call plan" in str(explain(q, kv, kv, windows, platform="cuda",
+                                      device_kind="NVIDIA H200"))
+
+
+def test_list_names_every_shape_once():
+    proc = run("--list")
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split(":")[0] for line in proc.stdout.splitlines()] == list(shapes.SHAPES)
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--shapes", "paper-layer,tiny"),
+     "unknown shape 'tiny' (python bench/shapes.py --list names them)"),
+    (("--reps", "0"), "--reps and --batch must be >= 1, --warmup >= 0"),
+    (("--shapes", "paper-layer"),
+     "needs a CUDA GPU for the cuDNN composition; JAX backend is 'cpu'"),
+], ids=["unknown-shape", "no-samples", "no-gpu"])
+def test_bad_input_is_one_line(args, message):
+    proc = run(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"shapes.py: {message}"]

@@ -128,12 +128,13 @@ def main(argv=None):
                   f"local windows {local}")
         return
     names = [n for n in args.shapes.split(",") if n]
-    unknown = [n for n in names if n not in SHAPES]
-    if unknown or not names:
-        fail(f"unknown shape {unknown[0] if unknown else '(none given)'!r} "
-             "(python bench/shapes.py --list names them)")
-    if args.reps < 1 or args.batch < 1 or args.warmup < 0:
-        fail("--reps and --batch must be >= 1, --warmup >= 0")
+    unknown = [n for n in names if n not in SHAPES] or ([] if names else [args.shapes])
+    if unknown:
+        fail(f"--shapes: expected names from `python bench/shapes.py --list`, got "
+             f"{unknown[0]!r}")
+    for option, least in (("reps", 1), ("batch", 1), ("warmup", 0)):
+        if getattr(args, option) < least:
+            fail(f"--{option}: expected an int >= {least}, got {getattr(args, option)}")
     if jax.default_backend() != "gpu":
         fail(f"needs a CUDA GPU for the cuDNN composition; JAX backend is "
              f"{jax.default_backend()!r}")

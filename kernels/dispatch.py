@@ -83,7 +83,7 @@ def _beyond_hopper_kernels(head_dim: int) -> bool:
 
 
 def cudnn_fits(window_sizes: WindowSizes, seq_len: int, head_dim: int, dtype,
-               has_segments: bool, return_logit_stats: bool, hopper: bool = False) -> bool:
+               has_segments: bool, return_logit_stats: bool, *, hopper: bool) -> bool:
     """True for a call where cuDNN alone is faster than our kernel (the table in this module's
     docstring): cuDNN takes the call, and every head is global (full causal) or, on Hopper,
     the heads are wider than our Hopper kernels take."""

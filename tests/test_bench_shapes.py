@@ -30,8 +30,8 @@ def test_each_shape_plans_on_hopper(name):
     assert len(windows) == H and windows.count(None) == n_global and H % Hkv == 0
     q = jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((B, T, Hkv, D), jnp.bfloat16)
-    assert "call plan" in str(explain(q, kv, kv, windows, platform="cuda",
-                                      device_kind="NVIDIA H200"))
+    plan = explain(q, kv, kv, windows, platform="cuda", device_kind="NVIDIA H200")
+    assert tuple(plan.windows) == windows and "call plan" in str(plan)
 
 
 def test_list_names_every_shape_once():
@@ -42,11 +42,13 @@ def test_list_names_every_shape_once():
 
 @pytest.mark.parametrize("args,message", [
     (("--shapes", "paper-layer,tiny"),
-     "unknown shape 'tiny' (python bench/shapes.py --list names them)"),
-    (("--reps", "0"), "--reps and --batch must be >= 1, --warmup >= 0"),
+     "--shapes: expected names from `python bench/shapes.py --list`, got 'tiny'"),
+    (("--shapes", ","), "--shapes: expected names from `python bench/shapes.py --list`, got ','"),
+    (("--reps", "0"), "--reps: expected an int >= 1, got 0"),
+    (("--warmup", "-1"), "--warmup: expected an int >= 0, got -1"),
     (("--shapes", "paper-layer"),
      "needs a CUDA GPU for the cuDNN composition; JAX backend is 'cpu'"),
-], ids=["unknown-shape", "no-samples", "no-gpu"])
+], ids=["unknown-shape", "no-shape", "no-samples", "negative-warmup", "no-gpu"])
 def test_bad_input_is_one_line(args, message):
     proc = run(*args)
     assert proc.returncode == 2

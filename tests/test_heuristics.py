@@ -667,6 +667,24 @@ def test_wide_d64_local_windows_run_on_the_hopper_kernels(mix, kv):
         assert [l.lowering for l in launches.forward][-1] == "triton", (window, length)
 
 
+@pytest.mark.parametrize("kv", [HEADS, 4], ids=["mha", "gqa"])
+def test_wide_d64_all_local_windows_take_the_hopper_forward(kv):
+    """ALL_LOCAL_HOPPER_FORWARD_MIN_WINDOW (D=64, every head local, from
+    SPLIT_MIX_BACKWARD_MIN_SEQ_LEN): windows all at least that wide run the forward on the
+    Hopper kernel; one narrower window, or a shorter sequence, keeps Triton's."""
+    wide = heuristics.ALL_LOCAL_HOPPER_FORWARD_MIN_WINDOW
+    T = heuristics.SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
+    assert wide >= heuristics.WIDE_LOCAL_HOPPER_MIN_WINDOW
+    every = tuple(range(HEADS))
+    for window in (wide, (wide, 2 * wide)):
+        launches = heuristics.launches(make_case("bf16", 64, T, 4, "all-local", window, kv))
+        assert lowerings(launches.forward) == [("hopper", every)], window
+        assert lowerings(launches.backward) == [("hopper", every)], window
+    for window, length in (((wide, wide - 1), T), (wide, T - STRIP_BLOCK)):
+        launches = heuristics.launches(make_case("bf16", 64, length, 4, "all-local", window, kv))
+        assert lowerings(launches.forward) == [("triton", every)], (window, length)
+
+
 def test_the_padded_head_size_decides():
     """D=96 is computed padded to 128, a whole number of 64-element rows: the Hopper kernels
     take it (the plan decides on the padded size)."""

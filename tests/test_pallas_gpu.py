@@ -542,6 +542,9 @@ LOWERING_CASES = [
     # local windows of at least four 128-key blocks: every head on the Hopper kernels
     pytest.param(64, (None, 512, 600, 1000), 4, decided(64, (None, 512, 600, 1000), 8192, 4),
                  id="decided-d64-wide-windows"),
+    # ... every head local, windows of at least 32 of the forward's 64-key blocks
+    pytest.param(64, (2048, 3000, 2048, 4000), 4, decided(64, (2048, 3000, 2048, 4000), 8192, 2),
+                 id="decided-d64-all-local-wide-windows"),
     # one local head past head 0: its index and window are constants the kernels capture
     pytest.param(64, (None, 128), 2,
                  launches(2, 2, [("hopper", (0,), WIDE_FWD3),
@@ -726,6 +729,9 @@ GPU_CASES = [
     # local windows of at least four 128-key blocks: every head on the Hopper kernels, GQA
     pytest.param(Shape(1, 8192, 4, 2, 64, (None, 512, 600, 1000), jnp.bfloat16),
                  id="d64-wide-windows-gqa"),
+    # ... every head local, both ways
+    pytest.param(Shape(1, 8192, 4, 2, 64, (2048, 3000, 2048, 4000), jnp.bfloat16),
+                 id="d64-all-local-wide-windows-gqa"),
     # ... for one local head past head 0 (its index a constant)
     pytest.param(Shape(1, 8192, 2, 2, 64, (None, 128), jnp.bfloat16),
                  id="d64-one-local-head-strip-backward"),

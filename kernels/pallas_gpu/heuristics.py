@@ -58,8 +58,11 @@ LOCAL_HOPPER_FORWARD_MIN_BLOCKS = 2
 # At D=64, from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN``, the local heads run on the Hopper kernels
 # where every window is at least this wide (a band of four of the forward's 128-key blocks):
 # there Triton's small tiles save less masked work than they cost a tile. The backward takes
-# any mix; the forward a mix with a global head (every head local, 64-key blocks do not pay).
+# any mix; the forward a mix with a global head ...
 WIDE_LOCAL_HOPPER_MIN_WINDOW = 512
+# ... and every head local from this window (a band of 32 of its 64-key blocks): below it
+# Triton's forward keeps pace, its tiles masking less of the band's edges.
+ALL_LOCAL_HOPPER_FORWARD_MIN_WINDOW = 2048
 # D <= 64 LS mixes run the global heads on the Hopper backward beside a Triton launch for the
 # local heads from this length; below it one Triton launch for every head is faster, from it
 # the split keeps pace and gains with length.
@@ -320,7 +323,9 @@ def _local_on_hopper_forward(case: Case) -> bool:
     if not local:
         return False
     if case.head_dim == STRIP_HEAD_DIM:
-        return _wide_local(case) and bool(case.global_heads())
+        narrowest = min(case.windows[h] for h in local)
+        return _wide_local(case) and (
+            bool(case.global_heads()) or narrowest >= ALL_LOCAL_HOPPER_FORWARD_MIN_WINDOW)
     if case.head_dim != LOCAL_HOPPER_BACKWARD_HEAD_DIM:
         return False
     block_k = hopper_forward(case, tuple(range(case.num_heads))).block_k
@@ -330,7 +335,8 @@ def _local_on_hopper_forward(case: Case) -> bool:
 def forward_launches(case: Case) -> tuple[Launch, ...]:
     """The forward: the global heads on the Hopper forward, the local heads as strips (D=64,
     from ``STRIP_MIN_SEQ_LEN``) or on the Hopper forward too (wide windows:
-    ``LOCAL_HOPPER_FORWARD_MIN_BLOCKS`` at D=128, ``WIDE_LOCAL_HOPPER_MIN_WINDOW`` at D=64),
+    ``LOCAL_HOPPER_FORWARD_MIN_BLOCKS`` at D=128; at D=64 ``WIDE_LOCAL_HOPPER_MIN_WINDOW``
+    beside a global head, ``ALL_LOCAL_HOPPER_FORWARD_MIN_WINDOW`` without),
     the rest on the Triton forward."""
     everything = tuple(range(case.num_heads))
     if not hopper_runs(case):

@@ -652,37 +652,30 @@ def test_wide_local_windows_share_the_hopper_forward(mix, block_k):
 @pytest.mark.parametrize("mix", ["1g", "all-local"])
 def test_wide_d64_local_windows_run_on_the_hopper_kernels(mix, kv):
     """WIDE_LOCAL_HOPPER_MIN_WINDOW (D=64, from SPLIT_MIX_BACKWARD_MIN_SEQ_LEN): local heads
-    whose windows are all at least that wide take the Hopper backward with every other head,
-    GQA too, and beside a global head the Hopper forward; one narrower window, or a shorter
-    sequence, keeps the narrow bands' launches."""
+    whose windows are all at least that wide take the Hopper kernels with every other head,
+    GQA too; one narrower window, or a shorter sequence, keeps the narrow bands' launches."""
     wide, T = heuristics.WIDE_LOCAL_HOPPER_MIN_WINDOW, heuristics.SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
     every = tuple(range(HEADS))
     launches = heuristics.launches(make_case("bf16", 64, T, 4, mix, (wide, 2 * wide), kv))
     assert lowerings(launches.backward) == [("hopper", every)]
-    forward = [l.lowering for l in launches.forward]
-    assert forward == (["hopper"] if mix == "1g" else ["triton"])
+    assert lowerings(launches.forward) == [("hopper", every)]
     for window, length in (((wide, wide - 1), T), (wide, T - STRIP_BLOCK)):
         launches = heuristics.launches(make_case("bf16", 64, length, 4, mix, window, kv))
         assert ("hopper", every) not in lowerings(launches.backward), (window, length)
         assert [l.lowering for l in launches.forward][-1] == "triton", (window, length)
 
 
-@pytest.mark.parametrize("kv", [HEADS, 4], ids=["mha", "gqa"])
-def test_wide_d64_all_local_windows_take_the_hopper_forward(kv):
-    """ALL_LOCAL_HOPPER_FORWARD_MIN_WINDOW (D=64, every head local, from
-    SPLIT_MIX_BACKWARD_MIN_SEQ_LEN): windows all at least that wide run the forward on the
-    Hopper kernel; one narrower window, or a shorter sequence, keeps Triton's."""
-    wide = heuristics.ALL_LOCAL_HOPPER_FORWARD_MIN_WINDOW
-    T = heuristics.SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
-    assert wide >= heuristics.WIDE_LOCAL_HOPPER_MIN_WINDOW
+@pytest.mark.parametrize("D", [64, 128])
+def test_hopper_forward_key_blocks_follow_the_narrowest_band(D):
+    """WIDE_BLOCK_K with a global head in the launch, or where every local window spans
+    LOCAL_HOPPER_FORWARD_MIN_BLOCKS of them; NARROW_BLOCK_K for a narrower band."""
+    wide = heuristics.LOCAL_HOPPER_FORWARD_MIN_BLOCKS * heuristics.WIDE_BLOCK_K
     every = tuple(range(HEADS))
-    for window in (wide, (wide, 2 * wide)):
-        launches = heuristics.launches(make_case("bf16", 64, T, 4, "all-local", window, kv))
-        assert lowerings(launches.forward) == [("hopper", every)], window
-        assert lowerings(launches.backward) == [("hopper", every)], window
-    for window, length in (((wide, wide - 1), T), (wide, T - STRIP_BLOCK)):
-        launches = heuristics.launches(make_case("bf16", 64, length, 4, "all-local", window, kv))
-        assert lowerings(launches.forward) == [("triton", every)], (window, length)
+    for mix, window, block_k in (("all-local", (wide, 4 * wide), heuristics.WIDE_BLOCK_K),
+                                 ("all-local", (wide, wide - 1), heuristics.NARROW_BLOCK_K),
+                                 ("1g", wide - 1, heuristics.WIDE_BLOCK_K)):
+        case = make_case("bf16", D, 8192, 4, mix, window, HEADS)
+        assert heuristics.hopper_forward(case, every).block_k == block_k, (mix, window)
 
 
 def test_the_padded_head_size_decides():

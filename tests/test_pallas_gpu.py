@@ -542,7 +542,7 @@ LOWERING_CASES = [
     # local windows of at least four 128-key blocks: every head on the Hopper kernels
     pytest.param(64, (None, 512, 600, 1000), 4, decided(64, (None, 512, 600, 1000), 8192, 4),
                  id="decided-d64-wide-windows"),
-    # ... every head local, windows of at least 32 of the forward's 64-key blocks
+    # ... every head local (128-key blocks)
     pytest.param(64, (2048, 3000, 2048, 4000), 4, decided(64, (2048, 3000, 2048, 4000), 8192, 2),
                  id="decided-d64-all-local-wide-windows"),
     # one local head past head 0: its index and window are constants the kernels capture
@@ -701,6 +701,9 @@ GPU_CASES = [
     # every window at least two 64-key blocks: every head on the Hopper forward
     pytest.param(Shape(2, 1000, 4, 2, 128, (128, 200, 512, 129), jnp.bfloat16),
                  id="d128-all-local-wide-gqa-padded"),
+    # ... two 128-key blocks: on 128-key blocks
+    pytest.param(Shape(2, 1000, 4, 2, 128, (256, 300, 999, 256), jnp.bfloat16),
+                 id="d128-all-local-wider-gqa-padded"),
     # beyond the Hopper kernels' head sizes: Triton's smaller tiles (D=192 padded to 256)
     pytest.param(Shape(1, 700, 4, 2, 192, (None, 50, 128, None), jnp.bfloat16),
                  id="d192-mix-padded"),
@@ -729,7 +732,7 @@ GPU_CASES = [
     # local windows of at least four 128-key blocks: every head on the Hopper kernels, GQA
     pytest.param(Shape(1, 8192, 4, 2, 64, (None, 512, 600, 1000), jnp.bfloat16),
                  id="d64-wide-windows-gqa"),
-    # ... every head local, both ways
+    # ... every head local
     pytest.param(Shape(1, 8192, 4, 2, 64, (2048, 3000, 2048, 4000), jnp.bfloat16),
                  id="d64-all-local-wide-windows-gqa"),
     # ... for one local head past head 0 (its index a constant)

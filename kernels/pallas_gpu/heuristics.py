@@ -55,14 +55,15 @@ LOCAL_HOPPER_BACKWARD_HEAD_DIM = 128
 # launch's key blocks (128 keys beside a global head, 64 without); a narrower band leaves
 # most of its blocks masked.
 LOCAL_HOPPER_FORWARD_MIN_BLOCKS = 2
+# The Hopper forward's key blocks: 128 keys with a global head or where every local band spans
+# ``LOCAL_HOPPER_FORWARD_MIN_BLOCKS`` of them (fewer, wider products), else 64 (a short band
+# leaves less of a narrow block masked).
+WIDE_BLOCK_K, NARROW_BLOCK_K = 128, 64
 # At D=64, from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN``, the local heads run on the Hopper kernels
 # where every window is at least this wide (a band of four of the forward's 128-key blocks):
-# there Triton's small tiles save less masked work than they cost a tile. The backward takes
-# any mix; the forward a mix with a global head ...
+# there Triton's small tiles save less masked work than they cost a tile. Forward and
+# backward, any mix.
 WIDE_LOCAL_HOPPER_MIN_WINDOW = 512
-# ... and every head local from this window (a band of 32 of its 64-key blocks): below it
-# Triton's forward keeps pace, its tiles masking less of the band's edges.
-ALL_LOCAL_HOPPER_FORWARD_MIN_WINDOW = 2048
 # D <= 64 LS mixes run the global heads on the Hopper backward beside a Triton launch for the
 # local heads from this length; below it one Triton launch for every head is faster, from it
 # the split keeps pace and gains with length.
@@ -222,8 +223,9 @@ def hopper_forward(case: Case, heads: tuple[int, ...]) -> HopperForwardConfig:
         programs, needed = _tile_programs(case, n_global, 3 * block_q), \
             THREE_CONSUMER_MIN_PROGRAMS
     three = case.head_dim <= THREE_CONSUMER_MAX_HEAD_DIM and programs >= needed
-    # with no global head, a local band is short: 64-key blocks
-    block_k = 128 if n_global else 64
+    wide = bool(n_global) or (
+        min(case.windows[h] for h in heads) >= LOCAL_HOPPER_FORWARD_MIN_BLOCKS * WIDE_BLOCK_K)
+    block_k = WIDE_BLOCK_K if wide else NARROW_BLOCK_K
     return HopperForwardConfig(block_q=block_q, block_k=block_k, consumers=3 if three else 2)
 
 
@@ -323,9 +325,7 @@ def _local_on_hopper_forward(case: Case) -> bool:
     if not local:
         return False
     if case.head_dim == STRIP_HEAD_DIM:
-        narrowest = min(case.windows[h] for h in local)
-        return _wide_local(case) and (
-            bool(case.global_heads()) or narrowest >= ALL_LOCAL_HOPPER_FORWARD_MIN_WINDOW)
+        return _wide_local(case)
     if case.head_dim != LOCAL_HOPPER_BACKWARD_HEAD_DIM:
         return False
     block_k = hopper_forward(case, tuple(range(case.num_heads))).block_k
@@ -335,8 +335,7 @@ def _local_on_hopper_forward(case: Case) -> bool:
 def forward_launches(case: Case) -> tuple[Launch, ...]:
     """The forward: the global heads on the Hopper forward, the local heads as strips (D=64,
     from ``STRIP_MIN_SEQ_LEN``) or on the Hopper forward too (wide windows:
-    ``LOCAL_HOPPER_FORWARD_MIN_BLOCKS`` at D=128; at D=64 ``WIDE_LOCAL_HOPPER_MIN_WINDOW``
-    beside a global head, ``ALL_LOCAL_HOPPER_FORWARD_MIN_WINDOW`` without),
+    ``LOCAL_HOPPER_FORWARD_MIN_BLOCKS`` at D=128, ``WIDE_LOCAL_HOPPER_MIN_WINDOW`` at D=64),
     the rest on the Triton forward."""
     everything = tuple(range(case.num_heads))
     if not hopper_runs(case):

@@ -34,6 +34,29 @@ def test_each_shape_plans_on_hopper(name):
     assert tuple(plan.windows) == windows and "call plan" in str(plan)
 
 
+@pytest.mark.parametrize("name,backends", [
+    ("paper-layer", ("pallas_gpu", "pallas_gpu")),
+    ("d256-mix", ("cudnn", "cudnn")),
+    ("d256-all-global", ("cudnn", "cudnn")),
+], ids=["ours-both-ways", "wide-heads-on-cudnn", "wide-global-on-cudnn"])
+def test_rows_name_the_default_backends(name, backends):
+    assert shapes.default_backends(name, platform="cuda", device_kind="NVIDIA H200") == backends
+
+
+@pytest.mark.parametrize("fwd_backend,fb_backend,r_fwd,r_fb,slower", [
+    ("pallas_gpu", "pallas_gpu", 1.2, 0.9, True),
+    ("pallas_gpu", "pallas_gpu", 0.9, 1.2, True),
+    ("pallas_gpu", "pallas_gpu", 1.0, 1.0, False),
+    ("cudnn", "cudnn", 0.9, 0.9, False),
+    ("cudnn", "pallas_gpu", 0.9, 1.1, False),
+    ("cudnn", "pallas_gpu", 1.1, 0.9, True),
+], ids=["ours-f+b-slower", "ours-forward-slower", "ours-even", "composition-noise",
+        "cudnn-forward-noise", "ours-f+b-behind-cudnn-forward"])
+def test_only_our_kernels_count_as_slower(fwd_backend, fb_backend, r_fwd, r_fb, slower):
+    row = dict(fwd_backend=fwd_backend, fb_backend=fb_backend, r_fwd=r_fwd, r_fb=r_fb)
+    assert shapes.slower(row, min_ratio=1.0) is slower
+
+
 def test_list_names_every_shape_once():
     proc = run("--list")
     assert proc.returncode == 0, proc.stderr

@@ -233,8 +233,9 @@ def test_every_head_once_in_each_pass():
 def test_hopper_kernels_take_the_global_heads_where_they_run():
     """Where the Mosaic GPU kernels can run, the global heads run on them in the forward, and
     in the backward but for the documented exception: an LS mix at D <= 64 that is short
-    (below ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN``) or GQA (a split backward needs one kv head per
-    query head) runs its whole backward on Triton, unless its local windows are all wide
+    (below ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN``) or GQA with groups wider than
+    ``GQA_MIX_HOPPER_BACKWARD_MAX_GROUP`` (a split backward needs one kv head per query head)
+    runs its whole backward on Triton, unless its local windows are all wide
     (``WIDE_LOCAL_HOPPER_MIN_WINDOW``: every head on the Hopper backward)."""
     for case, launches in grid():
         if not hopper_capable(case):
@@ -245,8 +246,9 @@ def test_hopper_kernels_take_the_global_heads_where_they_run():
         short = case.seq_len < heuristics.SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
         wide = bool(local) and min(case.windows[h] for h in local) >= (
             heuristics.WIDE_LOCAL_HOPPER_MIN_WINDOW)
+        wide_groups = HEADS // case.num_kv_heads > heuristics.GQA_MIX_HOPPER_BACKWARD_MAX_GROUP
         whole_triton = bool(local) and case.head_dim <= 64 and (
-            short or case.num_kv_heads != HEADS) and not (wide and not short)
+            short or wide_groups) and not (wide and not short)
         if whole_triton and glob:
             assert [l.lowering for l in launches.backward] == ["triton"], describe(case)
         else:
@@ -620,12 +622,25 @@ def test_short_d64_mixes_run_one_triton_backward():
     assert lowerings(short.backward) == [("triton", every)]
     long = heuristics.launches(make_case("bf16", 64, T, 4, "2g", 100, HEADS))
     assert lowerings(long.backward) == [("hopper", (0, 1)), ("triton", every[2:])]
-    gqa = heuristics.launches(make_case("bf16", 64, 4 * T, 4, "2g", 128, 4))
-    assert lowerings(gqa.backward) == [("triton", every)]
     for kv in (16, 4):
         for T_ in (T, 4 * T):
             d128 = heuristics.launches(make_case("bf16", 128, T_, 4, "2g", 128, kv))
             assert lowerings(d128.backward) == [("hopper", every)], (kv, T_)
+
+
+@pytest.mark.parametrize("kv,mix,T,hopper", [
+    (4, "2g", 8192, True), (4, "1g", 32768, True), (8, "1g", 8192, True),
+    (4, "2g", 8192 - STRIP_BLOCK, False), (2, "1g", 8192, False), (1, "1g", 8192, False),
+    (4, "all-local", 8192, False),
+], ids=["groups-of-4", "groups-of-4-long", "groups-of-2", "shorter", "groups-of-8", "mqa",
+        "no-global-head"])
+def test_long_d64_gqa_mixes_take_the_hopper_backward(kv, mix, T, hopper):
+    """GQA_MIX_HOPPER_BACKWARD_MAX_GROUP: a GQA mix with global heads (which cannot split)
+    runs every head on the Hopper backward from SPLIT_MIX_BACKWARD_MIN_SEQ_LEN with groups up
+    to that many query heads; shorter, wider groups or no global head keep Triton's."""
+    every = tuple(range(HEADS))
+    launches = heuristics.launches(make_case("bf16", 64, T, 4, mix, 128, kv))
+    assert lowerings(launches.backward) == [("hopper" if hopper else "triton", every)]
 
 
 @pytest.mark.parametrize("mix,block_k", [("1g", 128), ("all-local", 64)],
@@ -661,7 +676,8 @@ def test_wide_d64_local_windows_run_on_the_hopper_kernels(mix, kv):
     assert lowerings(launches.forward) == [("hopper", every)]
     for window, length in (((wide, wide - 1), T), (wide, T - STRIP_BLOCK)):
         launches = heuristics.launches(make_case("bf16", 64, length, 4, mix, window, kv))
-        assert ("hopper", every) not in lowerings(launches.backward), (window, length)
+        if not (mix == "1g" and kv != HEADS and length >= T):  # a long GQA mix's own rule
+            assert ("hopper", every) not in lowerings(launches.backward), (window, length)
         assert [l.lowering for l in launches.forward][-1] == "triton", (window, length)
 
 

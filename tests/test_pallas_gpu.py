@@ -495,10 +495,10 @@ def kernel_calls(text: str) -> collections.Counter:
     return collections.Counter(re.findall(r"custom_call @(mosaic_gpu\w*|\S*triton)\(", text))
 
 
-def decided(D, windows, seq_len, batch) -> Launches:
-    """The heuristics' launches for a case on a Hopper GPU."""
+def decided(D, windows, seq_len, batch, kv=None) -> Launches:
+    """The heuristics' launches for a case on a Hopper GPU (``kv`` heads; default: MHA)."""
     case = heuristics.Case(dtype=jnp.bfloat16, head_dim=D, windows=windows, seq_len=seq_len,
-                           batch=batch, num_kv_heads=len(windows), has_segments=False,
+                           batch=batch, num_kv_heads=kv or len(windows), has_segments=False,
                            gpu=heuristics.Gpu(hopper=True, sms=132))
     return heuristics.launches(case)
 
@@ -542,6 +542,9 @@ LOWERING_CASES = [
     # local windows of at least four 128-key blocks: every head on the Hopper kernels
     pytest.param(64, (None, 512, 600, 1000), 4, decided(64, (None, 512, 600, 1000), 8192, 4),
                  id="decided-d64-wide-windows"),
+    # a long GQA mix: every head on the Hopper backward, groups of a global and local heads
+    pytest.param(64, (None, 128, 64, 100), 1, decided(64, (None, 128, 64, 100), 8192, 2, kv=1),
+                 id="decided-d64-long-gqa-mix"),
     # ... every head local (128-key blocks)
     pytest.param(64, (2048, 3000, 2048, 4000), 4, decided(64, (2048, 3000, 2048, 4000), 8192, 2),
                  id="decided-d64-all-local-wide-windows"),
@@ -735,7 +738,10 @@ GPU_CASES = [
     # ... every head local
     pytest.param(Shape(1, 8192, 4, 2, 64, (2048, 3000, 2048, 4000), jnp.bfloat16),
                  id="d64-all-local-wide-windows-gqa"),
-    # ... for one local head past head 0 (its index a constant)
+    # a long GQA mix of narrow windows: every head on the Hopper backward, groups of 4
+    pytest.param(Shape(1, 8192, 8, 2, 64, (None, 128, 64, 100, None, 128, 1, 128),
+                       jnp.bfloat16), id="d64-long-gqa-mix"),
+    # the strip backward over one local head past head 0 (its index a constant)
     pytest.param(Shape(1, 8192, 2, 2, 64, (None, 128), jnp.bfloat16),
                  id="d64-one-local-head-strip-backward"),
 ]

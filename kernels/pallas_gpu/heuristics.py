@@ -68,6 +68,11 @@ WIDE_LOCAL_HOPPER_MIN_WINDOW = 512
 # local heads from this length; below it one Triton launch for every head is faster, from it
 # the split keeps pace and gains with length.
 SPLIT_MIX_BACKWARD_MIN_SEQ_LEN = 8192
+# GQA mixes cannot split (a kv head's dK/dV sums heads of both kinds), so from that length
+# every head runs on the Hopper backward, whose global heads gain more than its wide tiles
+# lose on the local bands; up to this many query heads a kv head, as a dK/dV program sums its
+# group in turn and wider groups leave the launch few programs.
+GQA_MIX_HOPPER_BACKWARD_MAX_GROUP = 4
 # The local heads' forward as strips (D=64) from this length; shorter calls are launch-bound.
 STRIP_MIN_SEQ_LEN = 4096
 STRIP_HEAD_DIM = 64  # three strip consumers' registers hold D=64 tiles; D=128 would spill
@@ -320,6 +325,14 @@ def _wide_local(case: Case) -> bool:
             and min(case.windows[h] for h in local) >= WIDE_LOCAL_HOPPER_MIN_WINDOW)
 
 
+def _long_gqa_mix(case: Case) -> bool:
+    """A GQA mix with global heads from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN``, groups of at most
+    ``GQA_MIX_HOPPER_BACKWARD_MAX_GROUP`` query heads."""
+    group = case.num_heads // case.num_kv_heads
+    return (1 < group <= GQA_MIX_HOPPER_BACKWARD_MAX_GROUP and bool(case.global_heads())
+            and case.seq_len >= SPLIT_MIX_BACKWARD_MIN_SEQ_LEN)
+
+
 def _local_on_hopper_forward(case: Case) -> bool:
     local = case.local_heads()
     if not local:
@@ -352,8 +365,9 @@ def forward_launches(case: Case) -> tuple[Launch, ...]:
 
 
 def backward_launches(case: Case) -> tuple[Launch, ...]:
-    """The backward: every head on the Hopper kernels with every head global, at D=128, or at
-    D=64 with wide windows (``WIDE_LOCAL_HOPPER_MIN_WINDOW``); in other mixes with one kv head
+    """The backward: every head on the Hopper kernels with every head global, at D=128, at
+    D=64 with wide windows (``WIDE_LOCAL_HOPPER_MIN_WINDOW``) or in long GQA mixes
+    (``GQA_MIX_HOPPER_BACKWARD_MAX_GROUP``); in other mixes with one kv head
     per query head, from ``SPLIT_MIX_BACKWARD_MIN_SEQ_LEN`` at D <= 64, the global heads on
     them and the local heads as fused strips
     (``strip_backward_fits``, ``one_slot_strip_backward``) or on the Triton kernels; else
@@ -363,7 +377,8 @@ def backward_launches(case: Case) -> tuple[Launch, ...]:
     if not hopper_runs(case):
         return triton_all
     glob, local = case.global_heads(), case.local_heads()
-    if not local or case.head_dim == LOCAL_HOPPER_BACKWARD_HEAD_DIM or _wide_local(case):
+    if (not local or case.head_dim == LOCAL_HOPPER_BACKWARD_HEAD_DIM or _wide_local(case)
+            or _long_gqa_mix(case)):
         return (Launch("hopper", everything, hopper_backward(case)),)
     short_narrow = case.head_dim <= 64 and case.seq_len < SPLIT_MIX_BACKWARD_MIN_SEQ_LEN
     if short_narrow or case.num_kv_heads != case.num_heads:

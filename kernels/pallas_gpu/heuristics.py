@@ -52,8 +52,8 @@ THREE_BWD_CONSUMER_MAX_HEAD_DIM = 64
 # 32-row tiles waste less of a narrow band.
 LOCAL_HOPPER_BACKWARD_HEAD_DIM = 128
 # ... and the Hopper forward where every local window spans at least this many of the
-# launch's key blocks (128 keys beside a global head, 64 without); a narrower band leaves
-# most of its blocks masked.
+# launch's key blocks (``WIDE_BLOCK_K`` beside a global head, else at least two
+# ``NARROW_BLOCK_K``); a narrower band leaves most of its blocks masked.
 LOCAL_HOPPER_FORWARD_MIN_BLOCKS = 2
 # The Hopper forward's key blocks: 128 keys with a global head or where every local band spans
 # ``LOCAL_HOPPER_FORWARD_MIN_BLOCKS`` of them (fewer, wider products), else 64 (a short band

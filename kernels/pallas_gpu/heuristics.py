@@ -228,10 +228,15 @@ def hopper_forward(case: Case, heads: tuple[int, ...]) -> HopperForwardConfig:
         programs, needed = _tile_programs(case, n_global, 3 * block_q), \
             THREE_CONSUMER_MIN_PROGRAMS
     three = case.head_dim <= THREE_CONSUMER_MAX_HEAD_DIM and programs >= needed
-    wide = bool(n_global) or (
+    return HopperForwardConfig(block_q=block_q, block_k=_forward_block_k(case, heads),
+                               consumers=3 if three else 2)
+
+
+def _forward_block_k(case: Case, heads: tuple[int, ...]) -> int:
+    """The Hopper forward's key blocks over ``heads`` (``WIDE_BLOCK_K``, ``NARROW_BLOCK_K``)."""
+    wide = bool(set(heads) & set(case.global_heads())) or (
         min(case.windows[h] for h in heads) >= LOCAL_HOPPER_FORWARD_MIN_BLOCKS * WIDE_BLOCK_K)
-    block_k = WIDE_BLOCK_K if wide else NARROW_BLOCK_K
-    return HopperForwardConfig(block_q=block_q, block_k=block_k, consumers=3 if three else 2)
+    return WIDE_BLOCK_K if wide else NARROW_BLOCK_K
 
 
 def delta_fits(config: HopperBackwardConfig, head_dim: int, itemsize: int) -> bool:
@@ -341,7 +346,7 @@ def _local_on_hopper_forward(case: Case) -> bool:
         return _wide_local(case)
     if case.head_dim != LOCAL_HOPPER_BACKWARD_HEAD_DIM:
         return False
-    block_k = hopper_forward(case, tuple(range(case.num_heads))).block_k
+    block_k = _forward_block_k(case, tuple(range(case.num_heads)))
     return min(case.windows[h] for h in local) >= LOCAL_HOPPER_FORWARD_MIN_BLOCKS * block_k
 
 

@@ -56,8 +56,9 @@ def effective_windows(window_sizes: WindowSizes, seq_len: int) -> tuple[int, ...
 
 
 def window_array(window_sizes: WindowSizes) -> np.ndarray:
-    """int32 [H]: each head's window for kernels that compare positions at run time (the decode
-    kernels); a global head gets int32 max, i.e. it sees every earlier position."""
+    """int32 [H]: each head's window for code that compares positions at run time (the decode
+    kernels, the reference's mask); a global head gets int32 max, i.e. it sees every earlier
+    position, whatever the length (a symbolic one too)."""
     return np.array(effective_windows(window_sizes, np.iinfo(np.int32).max), np.int32)
 
 

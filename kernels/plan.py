@@ -33,8 +33,8 @@ from ls_jax.kernels import dispatch
 from ls_jax.kernels.dispatch import INTERPRET_IMPLEMENTATIONS
 from ls_jax.kernels.sharded import Call, Layout, head_shard_windows, layout_of, mesh_axes
 
-__all__ = ["CallPlan", "Partitioning", "Route", "check_backend_options", "partitioning",
-           "plan_call"]
+__all__ = ["CallPlan", "Partitioning", "Route", "check_backend_options",
+           "check_symbolic_length", "partitioning", "plan_call"]
 
 # backends that call JAX's cuDNN attention (kernels/cudnn.py, kernels/split.py), which lowers
 # for CUDA alone: a program exported for several platforms runs "pallas_gpu" in their place
@@ -213,6 +213,22 @@ def check_backend_options(implementation: str | None, interpret: Any) -> None:
             f"implementation={implementation!r}")
 
 
+def check_symbolic_length(seq_len, implementation: str | None,
+                          platforms: tuple[str, ...]) -> None:
+    """A symbolic T (``jax.export.symbolic_shape``): the reference computes it, the kernels
+    cannot (their launch grids and band tables are static); ValueError (one line) unless the
+    call runs the reference on every platform it is lowered for."""
+    if implementation == "reference" or (implementation is None and all(
+            dispatch.DEFAULT_IMPLEMENTATION.get(p) == "reference" for p in platforms)):
+        return
+    runs = (f"implementation={implementation!r}" if implementation is not None
+            else f"implementation=None's kernels on {platforms!r}")
+    raise ValueError(
+        f"q: a symbolic sequence length T={seq_len} runs on implementation='reference' alone "
+        f"(a kernel's launch grid is static), got {runs}; export one program per length "
+        "(a symbolic batch is fine)")
+
+
 def partitioning(q, num_kv_heads: int, partition_spec: PartitionSpec | None,
                  tpu_interpreter: bool) -> Partitioning:
     """How a call on ``q`` lies on the mesh in context (``sharded.py``'s docstring);
@@ -262,6 +278,8 @@ def plan_call(q, k, windows: WindowSizes, *, scale: float, has_segments: bool,
     B, T, H, D = q.shape
     guard = implementation is None and platforms is None
     platforms = (dispatch.current_platform(),) if platforms is None else tuple(platforms)
+    if not isinstance(T, int):
+        check_symbolic_length(T, implementation, platforms)
     case = dict(window_sizes=windows, seq_len=T, head_dim=D, dtype=q.dtype,
                 has_segments=has_segments, return_logit_stats=logit_stats)
     routes = _routes(implementation, platforms, case,

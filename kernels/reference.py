@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ls_jax.kernels.band import WindowSizes, allowed, effective_windows
+from ls_jax.kernels.band import WindowSizes, allowed, window_array
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -26,8 +26,7 @@ def allowed_mask(seq_len: int, window_sizes: WindowSizes, segment_ids=None) -> j
     """bool [B or 1, H, T, S]: True where query i may attend to key j for head h."""
     i_1x1xTx1 = jnp.arange(seq_len)[None, None, :, None]
     j_1x1x1xS = jnp.arange(seq_len)[None, None, None, :]
-    w_1xHx1x1 = jnp.asarray(effective_windows(window_sizes, seq_len), jnp.int32)[
-        None, :, None, None]
+    w_1xHx1x1 = jnp.asarray(window_array(window_sizes))[None, :, None, None]
     seg_i = seg_j = None
     if segment_ids is not None:
         seg_i, seg_j = segment_ids[:, None, :, None], segment_ids[:, None, None, :]
@@ -88,7 +87,7 @@ def blockwise_max_abs_logit(q, k, window_sizes: WindowSizes, segment_ids=None,
     pad = num_blocks * block_q - T
     q_pad = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
     k_BxSxHxD = repeat_kv(k, H).astype(jnp.float32)
-    w_1xHx1x1 = jnp.asarray(effective_windows(window_sizes, T), jnp.int32)[None, :, None, None]
+    w_1xHx1x1 = jnp.asarray(window_array(window_sizes))[None, :, None, None]
     j_1x1x1xS = jnp.arange(T)[None, None, None, :]
     seg_pad = None if segment_ids is None else jnp.pad(segment_ids, ((0, 0), (0, pad)))
 

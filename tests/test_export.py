@@ -2,7 +2,8 @@
 model lower to our kernels' custom calls (Pallas' Triton/Mosaic lowering runs; the GPU/TPU
 compilers do not), also with a symbolic batch; ``implementation=None`` chooses per platform of
 the export (one artifact for several), and under ``jax.export`` itself is refused for another
-platform than the tracing machine's, with one line."""
+platform than the tracing machine's, with one line. A symbolic length exports on the reference
+alone (the op and a model); for a kernel, one line."""
 
 from __future__ import annotations
 
@@ -149,3 +150,83 @@ def test_bad_arguments_are_one_line():
         export(jax.jit(lambda x: x), platforms=())
     with pytest.raises(ValueError, match="gpu: expected a device kind"):
         export(jax.jit(lambda x: x), platforms=("cuda",), gpu="")
+
+
+def _random_qkv(seq_len: int, dtype=jnp.float32):
+    kq, kk, kv = jax.random.split(jax.random.key(seq_len), 3)
+    return (jax.random.normal(kq, (2, seq_len, 4, 32), dtype),
+            *(jax.random.normal(x, (2, seq_len, 2, 32), dtype) for x in (kk, kv)))
+
+
+@pytest.mark.parametrize("names", ["t", "b, t"], ids=["length", "batch_and_length"])
+def test_a_symbolic_length_exports_the_reference_forward_and_backward(names):
+    """The reference (the CPU default) takes a symbolic T: its band mask compares each pair's
+    distance with the head's window, never with T. One export runs every length as the call
+    does, windows wider than the sequence included."""
+    dims = jax.export.symbolic_shape(names)
+    b, t = dims if len(dims) == 2 else (2, dims[0])
+
+    def loss(q, k, v):
+        return jnp.sum(ls_attention(q, k, v, (None, 9, 9, 130)))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    exported = export(step, platforms=("cpu",))(
+        jax.ShapeDtypeStruct((b, t, 4, 32), jnp.float32),
+        *[jax.ShapeDtypeStruct((b, t, 2, 32), jnp.float32)] * 2)
+    for seq_len in (1, 37, 140):
+        q, k, v = _random_qkv(seq_len)
+        (got_loss, got_grads), (want_loss, want_grads) = exported.call(q, k, v), step(q, k, v)
+        np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+        for a, w in zip(got_grads, want_grads):
+            np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation,platforms", [
+    pytest.param("pallas_gpu", ("cuda",), id="pallas_gpu"),
+    pytest.param("pallas_tpu", ("tpu",), id="pallas_tpu"),
+    pytest.param("cudnn", ("cuda",), id="cudnn"),
+    pytest.param(None, ("cpu", "cuda"), id="none_for_cpu_and_cuda"),
+])
+def test_a_symbolic_length_for_a_kernel_is_one_line(implementation, platforms):
+    """A kernel's launch grid is static: a symbolic T is refused before any backend runs."""
+    t, = jax.export.symbolic_shape("t")
+    q = jax.ShapeDtypeStruct((2, t, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, t, 2, 64), jnp.bfloat16)
+    f = jax.jit(lambda q, k, v: ls_attention(q, k, v, (None, 9, 9, 130),
+                                             implementation=implementation))
+    with pytest.raises(ValueError, match=(
+            r"^q: a symbolic sequence length T=t runs on implementation='reference' alone")):
+        export(f, platforms=platforms, gpu=GPU)(q, kv, kv)
+
+
+@pytest.mark.parametrize("pos_embedding,constraints", [
+    pytest.param("learned", ("t <= 128",), id="learned_table_bounded"),
+    pytest.param("rope", (), id="rope"),
+])
+def test_a_model_exports_with_a_symbolic_length(pos_embedding, constraints):
+    cfg = ModelConfig(vocab_size=64, n_layer=2, d_model=64, n_head=4, head_dim=16, window=8,
+                      max_seq_len=128, pos_embedding=pos_embedding)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def logits(state, tokens):
+        return nnx.merge(graphdef, state)(tokens)
+
+    b, t = jax.export.symbolic_shape("b, t", constraints=constraints)
+    exported = export(logits, platforms=("cpu",))(state, jax.ShapeDtypeStruct((b, t), jnp.int32))
+    tokens = jnp.arange(3 * 21, dtype=jnp.int32).reshape(3, 21) % cfg.vocab_size
+    np.testing.assert_allclose(exported.call(state, tokens), model(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_a_symbolic_length_beyond_a_learned_table_is_one_line():
+    cfg = ModelConfig(vocab_size=64, n_layer=1, d_model=64, n_head=4, head_dim=16, window=8,
+                      max_seq_len=128, pos_embedding="learned")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    t, = jax.export.symbolic_shape("t")
+    f = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+    with pytest.raises(ValueError, match=(
+            r"tokens: the symbolic sequence length t may exceed model.max_seq_len=128 .* "
+            r"constraints=\('t <= 128',\)")):
+        export(f, platforms=("cpu",))(state, jax.ShapeDtypeStruct((2, t), jnp.int32))
+

@@ -39,6 +39,22 @@ def check_tokens(tokens_BxT, positions=None, segment_ids=None) -> None:
     check_positions(shape, positions, segment_ids)
 
 
+def check_table_length(seq_len, max_seq_len: int) -> None:
+    """One line for a sequence longer than the learned position table, or a symbolic one
+    (``jax.export.symbolic_shape``) not bounded by it."""
+    try:
+        too_long = seq_len > max_seq_len
+    except jax.errors.InconclusiveDimensionOperation:
+        raise ValueError(
+            f"tokens: the symbolic sequence length {seq_len} may exceed model.max_seq_len="
+            f"{max_seq_len} of the learned position table; bound it: jax.export.symbolic_shape("
+            f"'{seq_len}', constraints=('{seq_len} <= {max_seq_len}',))") from None
+    if too_long:
+        raise ValueError(
+            f"tokens: sequence length {seq_len} exceeds model.max_seq_len={max_seq_len} of the "
+            f"learned position table")
+
+
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, out_init_std: float, rngs: nnx.Rngs):
         hidden = cfg.mlp_ratio * cfg.d_model
@@ -219,10 +235,8 @@ class Transformer(nnx.Module):
         B, T = tokens_BxT.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        if self.pos_embed is not None and T > cfg.max_seq_len:
-            raise ValueError(
-                f"tokens: sequence length {T} exceeds model.max_seq_len={cfg.max_seq_len} of the "
-                f"learned position table")
+        if self.pos_embed is not None:
+            check_table_length(T, cfg.max_seq_len)
         # the residual stream: batch-split, model dims whole
         x_BxTxM = constrain_batch(self._embed(tokens_BxT, positions))
         x_BxTxM, max_abs_logit_LxH, _ = self._scan_blocks(

@@ -3,7 +3,7 @@ model lower to our kernels' custom calls (Pallas' Triton/Mosaic lowering runs; t
 compilers do not), also with a symbolic batch; ``implementation=None`` chooses per platform of
 the export (one artifact for several), and under ``jax.export`` itself is refused for another
 platform than the tracing machine's, with one line. A symbolic length exports on the reference
-alone (the op and a model); for a kernel, one line."""
+alone (the op and a model); for a kernel, or off a GPU without ``gpu=``, one line."""
 
 from __future__ import annotations
 
@@ -230,3 +230,12 @@ def test_a_symbolic_length_beyond_a_learned_table_is_one_line():
             r"constraints=\('t <= 128',\)")):
         export(f, platforms=("cpu",))(state, jax.ShapeDtypeStruct((2, t), jnp.int32))
 
+
+def test_pallas_gpu_without_a_gpu_to_lower_for_is_one_line():
+    """Off a GPU, exporting the GPU kernels needs the target named (``gpu=``)."""
+    q = jax.ShapeDtypeStruct((1, 256, 4, 64), jnp.bfloat16)
+    f = jax.jit(lambda q: ls_attention(q, q[:, :, :2], q[:, :, :2], (None, 9, 9, 130),
+                                       implementation="pallas_gpu"))
+    with pytest.raises(ValueError, match=r"^implementation: 'pallas_gpu' lowers for a GPU and "
+                                         r"this machine has none; .* gpu=<the target's"):
+        export(f, platforms=("cuda",))(q)

@@ -132,8 +132,11 @@ def train_main(argv: list[str] | None = None) -> int:
                 raise
             print(_one_line(e), file=sys.stderr)
             return 1
-    lib.maybe_initialize_distributed(args.distributed)
     workdir = args.workdir or f"runs/{cfg.name}"
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        parser.error(f"--workdir: {workdir} is a file; expected a run directory (a new one, or "
+                     f"an earlier run's to resume)")
+    lib.maybe_initialize_distributed(args.distributed)
     try:
         lib.send_library_logs_to(lib.RunDir(workdir).library_log_path, echo=args.debug,
                                  required=True)

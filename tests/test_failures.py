@@ -361,6 +361,17 @@ def test_train_cli_errors_are_one_line(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "m" / "config.json")
 
 
+def test_a_workdir_that_is_a_file_is_one_line_and_left_alone(tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        train_main(["--workdir", str(a_file), *MICRO])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (f"error: --workdir: {a_file} is a file; expected a run "
+                                       "directory (a new one, or an earlier run's to resume)\n")
+    assert a_file.read_text() == "mine"
+
+
 # -- issue 12: the non-identity fields --------------------------------------------------------
 
 def test_non_identity_fields_may_change_on_resume(tmp_path):

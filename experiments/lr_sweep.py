@@ -39,7 +39,8 @@ import time
 import numpy as np
 
 from experiments.byte_corpus import SOURCES, WindowSampler, build_corpus, summary_line
-from experiments.runner import VARIANTS, Program, data_mesh, run_steps, variant_config
+from experiments.runner import Program, data_mesh, run_steps, variant_config
+from experiments.variants import VARIANTS
 from experiments.rules import BLOWUP_FACTOR, TAIL_FRACTION, blew_up, count_spikes
 
 MARGIN_NATS = 0.05  # an lr is "within the margin" when its loss <= best loss + this

@@ -50,8 +50,9 @@ import numpy as np
 
 from experiments.byte_corpus import SOURCES, WindowSampler, build_corpus, summary_line
 from experiments.rules import TAIL_FRACTION, blew_up, count_spikes
-from experiments.runner import (VARIANTS, Program, RunRecord, data_mesh, run_steps,
+from experiments.runner import (Program, RunRecord, data_mesh, run_steps,
                                 sharded_attention_available, variant_config)
+from experiments.variants import VARIANTS
 
 TABLE_EVERY = 10
 # the end of a call after its last round (results.json, results.md, the plot) takes less

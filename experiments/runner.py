@@ -40,7 +40,7 @@ from ls_jax.training.optimizer import make_optimizer
 from ls_jax.training.state import MODEL_KEY, init_key
 from ls_jax.training.step import check_batch_split, compile_train_fns
 
-from experiments.variants import VARIANTS, config_name
+from experiments.variants import config_name
 
 
 def variant_config(variant: str, overrides=()) -> Config:

@@ -727,8 +727,8 @@ def claim_loss(data: Data) -> Claim:
 
 def claim_qknorm(data: Data) -> Claim:
     claim = "LS reaches about 2/5 of QK-norm's perplexity"
-    rule = (f"LS's held-out loss (else its training cross-entropy) on identical batches lower "
-            f"than QK-norm's by more than δ; a per-byte ratio r is r^b per token of b bytes")
+    rule = ("LS's held-out loss (else its training cross-entropy) on identical batches lower "
+            "than QK-norm's by more than δ; a per-byte ratio r is r^b per token of b bytes")
     ps = pairs(data, "mhsa_qknorm")
     if not ps:
         return Claim(claim, "No paper-batch run of LS and QK-norm on identical batches.",

@@ -151,7 +151,7 @@ def with_forward_mode(primal: Callable, differentiated: Callable, reference: Cal
     def backward_fn(n_prims):
         @jax.custom_jvp
         def backward(*args):
-            p, res, ct = args[:n_prims], args[n_prims:-1], args[-1]
+            res, ct = args[n_prims:-1], args[-1]
             return tuple(jax.tree.unflatten(tree[0], res)(ct))
 
         @backward.defjvp

@@ -5,9 +5,6 @@ the sharding) with the same call on one device."""
 
 from __future__ import annotations
 
-import json
-import sys
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P

@@ -9,9 +9,6 @@ their gradients) in the compiled gradient program."""
 
 from __future__ import annotations
 
-import json
-import sys
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P

@@ -76,5 +76,5 @@ def test_unknown_config_names_the_closest(name, hint, capsys):
         train_main(["--config", name])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: config: expected one of ") and f"got {name!r}{hint}" in err
+    assert err.startswith("error: config: expected one of ") and f"got {name!r}{hint}" in err
     assert len(err.strip().splitlines()) == 1

@@ -12,7 +12,6 @@ ignored"), and the same command run again reaches the uninterrupted run's losses
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,14 +19,13 @@ import textwrap
 import time
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 pytest.importorskip("grain", reason="the training loop needs the [train] extra")
 
 import ls_jax.training.train as train_lib
 from ls_jax.training.checkpoint import CheckpointError, Checkpointer
-from ls_jax.configs.cli import format_eval, train_main
+from ls_jax.configs.cli import format_eval
 from ls_jax.training.evaluate import format_perplexity, perplexity
 from ls_jax.training.metrics import MetricsWriter, read_jsonl
 from ls_jax.training.rundir import RunDir

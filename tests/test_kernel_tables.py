@@ -5,11 +5,10 @@ import argparse
 import json
 import os
 import shlex
-import sys
 
 import pytest
 
-from bench_scripts import BENCH, load  # tests/, beside this file
+from bench_scripts import load  # tests/, beside this file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 from experiments import lr_sweep, runner
+from experiments.variants import VARIANTS
 
 from tests.test_step import BLOCK
 
@@ -19,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_variant_configs_are_the_paper_configs_with_bytes():
-    cfgs = {v: runner.variant_config(v) for v in runner.VARIANTS}
+    cfgs = {v: runner.variant_config(v) for v in VARIANTS}
     assert cfgs["ls"].model.window_sizes == (None, 51, 51, 51, 51, 51)
     assert cfgs["mhsa"].model.window_sizes == (None,) * 6
     assert cfgs["mhsa_qknorm"].model.qk_norm and cfgs["mhsa_zloss"].train.z_loss == 1e-4

@@ -73,6 +73,6 @@ def test_a_file_that_does_not_fit_is_refused_with_one_line(run_dir, tmp_path):
 def test_a_failed_save_leaves_no_file(run_dir, tmp_path):
     with pytest.raises(FileNotFoundError):
         save_weights(run_dir, str(tmp_path / "missing_dir" / "w.safetensors"))
-    with pytest.raises(Exception):
+    with pytest.raises(FileNotFoundError, match="expected a run directory with config.json"):
         save_weights(str(tmp_path / "not_a_run"), str(tmp_path / "w.safetensors"))
     assert os.listdir(tmp_path) == ["not_a_run"] or os.listdir(tmp_path) == []

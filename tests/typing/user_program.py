@@ -3,7 +3,6 @@ checker sees them through the installed package."""
 
 from typing import assert_type
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import typing
-import warnings
 
 import jax
 import jax.numpy as jnp

@@ -10,13 +10,18 @@ marked "slower" (where it runs cuDNN, the composition itself, the ratio is 1 but
   python bench/shapes.py --list                   # the shapes, one a line
 
 Timing as in bench/attention.py (fresh bf16 inputs, the median of --reps samples). Prints a
-markdown table and each row as a JSON line when measured; with --out, the rows as JSON.
+markdown table and each row as a JSON line when measured; with --out, the rows as JSON, the
+file rewritten after each row, so that a run stopped part-way keeps what it measured and
+--resume goes on from there (one detached run, collected by short calls):
+
+  setsid python bench/shapes.py --out shapes.json --resume > shapes.log 2>&1 &
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -128,6 +133,51 @@ def print_table(rows, args):
               f"{'slower' if r['slower'] else ''} |")
 
 
+def read_rows(path: str, card: str) -> dict[str, dict]:
+    """The rows of an earlier ``--out`` file by shape: none where there is no file; the run
+    they continue must be on the same card and JAX (``fail`` otherwise)."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+        rows = {r["shape"]: r for r in earlier["rows"] if r["shape"] in SHAPES}
+        theirs = (earlier["card"], earlier["jax"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"--resume: {path} is not a shapes.py --out file ({e})")
+    if theirs != (card, jax.__version__):
+        fail(f"--resume: {path} holds rows of {theirs[0]}, jax {theirs[1]}; this run is on "
+             f"{card}, jax {jax.__version__}: name another --out")
+    return rows
+
+
+def write_rows(path: str, card: str, rows: dict[str, dict]) -> None:
+    """``rows`` (by shape, written in ``SHAPES``' order) to ``path``, all or nothing."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"card": card, "jax": jax.__version__,
+                   "rows": [rows[n] for n in SHAPES if n in rows]}, f, indent=1)
+    os.replace(tmp, path)
+
+
+def measure_all(names: list[str], args, card: str, measure=measure) -> list[dict]:
+    """The rows of ``names`` in turn, each printed as a JSON line when measured; with
+    ``args.out`` the file rewritten after each row, and with ``args.resume`` the rows it holds
+    kept (their shapes not measured again; rows of other shapes kept in the file too)."""
+    rows = read_rows(args.out, card) if args.resume else {}
+    for name in names:
+        if name in rows:
+            continue
+        start = time.perf_counter()
+        row = measure(name, args)
+        row["seconds"] = round(time.perf_counter() - start, 1)
+        rows[name] = row
+        print(json.dumps(row), flush=True)
+        if args.out:
+            write_rows(args.out, card, rows)
+    return [rows[n] for n in names]
+
+
 def fail(message: str):
     print(f"shapes.py: {message}", file=sys.stderr)
     sys.exit(2)
@@ -143,7 +193,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch", type=int, default=3, help="back-to-back calls per sample")
-    ap.add_argument("--out", help="write the rows here as JSON")
+    ap.add_argument("--out", help="write the rows here as JSON, after each row")
+    ap.add_argument("--resume", action="store_true",
+                    help="with --out: keep its rows and measure only the shapes it lacks")
     args = ap.parse_args(argv)
     if args.list:
         for name, (D, B, T, H, Hkv, n_global, local) in SHAPES.items():
@@ -158,21 +210,16 @@ def main(argv=None):
     for option, least in (("reps", 1), ("batch", 1), ("warmup", 0)):
         if getattr(args, option) < least:
             fail(f"--{option}: expected an int >= {least}, got {getattr(args, option)}")
+    if args.resume and not args.out:
+        fail("--resume: continues an --out file; name one")
+    if args.out and not args.resume and os.path.exists(args.out):
+        fail(f"--out: {args.out} exists; pass --resume to go on from its rows, or name "
+             "another file")
     if jax.default_backend() != "gpu":
         fail(f"needs a CUDA GPU for the cuDNN composition; JAX backend is "
              f"{jax.default_backend()!r}")
-    rows = []
-    for name in names:
-        start = time.perf_counter()
-        row = measure(name, args)
-        row["seconds"] = round(time.perf_counter() - start, 1)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    rows = measure_all(names, args, jax.devices()[0].device_kind)
     print_table(rows, args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"card": jax.devices()[0].device_kind, "jax": jax.__version__,
-                       "rows": rows}, f, indent=1)
     if args.check and any(r["slower"] for r in rows):
         sys.exit(1)
 

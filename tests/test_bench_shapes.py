@@ -1,6 +1,9 @@
 """bench/shapes.py on CPU: every shape is a call the library plans on a Hopper GPU; --list
-names each once; bad input, or no GPU, is one error line and exit 2."""
+names each once; --out keeps each row as it is measured and --resume goes on from them; bad
+input, or no GPU, is one error line and exit 2."""
 
+import argparse
+import json
 import os
 import subprocess
 import sys
@@ -69,10 +72,54 @@ def test_list_names_every_shape_once():
     (("--shapes", ","), "--shapes: expected names from `python bench/shapes.py --list`, got ','"),
     (("--reps", "0"), "--reps: expected an int >= 1, got 0"),
     (("--warmup", "-1"), "--warmup: expected an int >= 0, got -1"),
+    (("--resume",), "--resume: continues an --out file; name one"),
+    (("--out", "README.md"),
+     "--out: README.md exists; pass --resume to go on from its rows, or name another file"),
     (("--shapes", "paper-layer"),
      "needs a CUDA GPU for the cuDNN composition; JAX backend is 'cpu'"),
-], ids=["unknown-shape", "no-shape", "no-samples", "negative-warmup", "no-gpu"])
+], ids=["unknown-shape", "no-shape", "no-samples", "negative-warmup", "resume-without-out",
+        "out-exists", "no-gpu"])
 def test_bad_input_is_one_line(args, message):
     proc = run(*args)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [f"shapes.py: {message}"]
+
+
+def _fake_measure(measured: list, stop_at: str | None = None):
+    def measure(name, args):
+        if name == stop_at:
+            raise KeyboardInterrupt
+        measured.append(name)
+        return {"shape": name, "r_fwd": 1.5}
+    return measure
+
+
+def test_a_stopped_run_keeps_its_rows_and_resume_measures_only_the_rest(tmp_path):
+    out = str(tmp_path / "rows.json")
+    args, measured = argparse.Namespace(out=out, resume=False), []
+    with pytest.raises(KeyboardInterrupt):
+        shapes.measure_all(["paper-layer", "d64-p512", "d64-gqa"], args, "card",
+                           measure=_fake_measure(measured, stop_at="d64-gqa"))
+    with open(out) as f:
+        assert [r["shape"] for r in json.load(f)["rows"]] == ["paper-layer", "d64-p512"]
+    args.resume, measured = True, []
+    rows = shapes.measure_all(["d64-gqa", "paper-layer"], args, "card",
+                              measure=_fake_measure(measured))
+    assert measured == ["d64-gqa"]
+    assert [r["shape"] for r in rows] == ["d64-gqa", "paper-layer"]
+    with open(out) as f:  # every row kept, in the order of SHAPES
+        written = json.load(f)
+    assert [r["shape"] for r in written["rows"]] == ["paper-layer", "d64-gqa", "d64-p512"]
+    assert written["card"] == "card" and not os.path.exists(out + ".tmp")
+
+
+def test_resume_on_another_card_is_one_line(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    out.write_text(json.dumps({"card": "NVIDIA H100", "jax": jax.__version__, "rows": []}))
+    args = argparse.Namespace(out=str(out), resume=True)
+    with pytest.raises(SystemExit) as e:
+        shapes.measure_all(["paper-layer"], args, "NVIDIA H200", measure=_fake_measure([]))
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        f"shapes.py: --resume: {out} holds rows of NVIDIA H100, jax {jax.__version__}; this run "
+        f"is on NVIDIA H200, jax {jax.__version__}: name another --out\n")

@@ -218,15 +218,20 @@ def check_symbolic_length(seq_len, implementation: str | None,
     """A symbolic T (``jax.export.symbolic_shape``): the reference computes it, the kernels
     cannot (their launch grids and band tables are static); ValueError (one line) unless the
     call runs the reference on every platform it is lowered for."""
-    if implementation == "reference" or (implementation is None and all(
-            dispatch.DEFAULT_IMPLEMENTATION.get(p) == "reference" for p in platforms)):
+    if implementation is not None:
+        kernels = () if implementation == "reference" else platforms
+    else:
+        kernels = tuple(p for p in platforms
+                        if dispatch.choose_implementation(p) != "reference")
+    if not kernels:
         return
     runs = (f"implementation={implementation!r}" if implementation is not None
-            else f"implementation=None's kernels on {platforms!r}")
+            else f"implementation=None, which runs a kernel on {kernels!r}")
     raise ValueError(
         f"q: a symbolic sequence length T={seq_len} runs on implementation='reference' alone "
-        f"(a kernel's launch grid is static), got {runs}; export one program per length "
-        "(a symbolic batch is fine)")
+        f"(a kernel's launch grid is static), got {runs}; export a program per length for "
+        "the kernels, or the reference: implementation='reference', or "
+        "ls_jax.interop.export.export(..., platforms=('cpu',))")
 
 
 def partitioning(q, num_kv_heads: int, partition_spec: PartitionSpec | None,
@@ -278,7 +283,7 @@ def plan_call(q, k, windows: WindowSizes, *, scale: float, has_segments: bool,
     B, T, H, D = q.shape
     guard = implementation is None and platforms is None
     platforms = (dispatch.current_platform(),) if platforms is None else tuple(platforms)
-    if not isinstance(T, int):
+    if jax.export.is_symbolic_dim(T):
         check_symbolic_length(T, implementation, platforms)
     case = dict(window_sizes=windows, seq_len=T, head_dim=D, dtype=q.dtype,
                 has_segments=has_segments, return_logit_stats=logit_stats)

@@ -737,15 +737,16 @@ def test_gpu_of_kind_takes_the_sms_the_device_reports():
     assert heuristics.gpu_of_kind("NVIDIA H100 80GB HBM3", sms=16) == Gpu(hopper=True, sms=16)
 
 
-@pytest.mark.parametrize("kind,hopper", [
-    pytest.param("NVIDIA H100 80GB HBM3", True, id="hopper"),
-    pytest.param("NVIDIA A100-SXM4-80GB", False, id="ampere"),
+@pytest.mark.parametrize("kind,platform,hopper", [
+    pytest.param("NVIDIA H100 80GB HBM3", "gpu", True, id="hopper"),
+    pytest.param("NVIDIA H100 80GB HBM3", "cuda", True, id="hopper-named-cuda"),
+    pytest.param("NVIDIA A100-SXM4-80GB", "gpu", False, id="ampere"),
 ])
-def test_current_gpu_is_the_abstract_meshs_gpu(kind, hopper):
+def test_current_gpu_is_the_abstract_meshs_gpu(kind, platform, hopper):
     """The GPU of the abstract mesh in context (an export's target), not this CPU machine's."""
     import jax
 
-    device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
+    device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform=platform)
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
         assert heuristics.current_gpu().hopper is hopper

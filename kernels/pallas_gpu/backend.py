@@ -86,33 +86,18 @@ def _padded_attention_bwd(plan: AttentionPlan, residuals, cotangents):
 _padded_attention.defvjp(_padded_attention_fwd, _padded_attention_bwd)
 
 
-def _check_gpu(traced: bool) -> None:
-    """ValueError (one line) for a call with no GPU to run on (eager) or to lower for
-    (traced: this machine's, or the one the mesh in context names, as
-    ``ls_jax.interop.export.export(..., gpu=...)`` does, so that an export works off a GPU)."""
-    if jax.default_backend() == "gpu":
-        return
-    if not traced:
-        raise ValueError(
-            "implementation='pallas_gpu' needs a CUDA GPU (JAX backend 'gpu'), got backend "
-            f"{jax.default_backend()!r}; pass interpret=True to run it in Pallas interpret "
-            "mode, or use implementation='reference'")
-    target = jax.sharding.get_abstract_mesh().abstract_device
-    if target is None or target.platform != "gpu":
-        raise ValueError(
-            "implementation: 'pallas_gpu' lowers for a GPU and this machine has none; name the "
-            "target to export for CUDA from here: ls_jax.interop.export.export(fn, "
-            "platforms=(..., 'cuda'), gpu=<the target's jax.devices()[0].device_kind>), or "
-            "pass interpret=True to run the kernels on CPU")
-
-
 def _prepare(q, k, v, window_sizes: WindowSizes, segment_ids, scale, launches, logit_stats,
              interpret):
     """The call's plan and the inputs padded to it (T to whole blocks, D to a matrix-unit
     size)."""
     B, T, H, D = q.shape
-    if not interpret:
-        _check_gpu(traced=isinstance(q, jax.core.Tracer))
+    # eager calls check the platform here; traced ones are checked by the lowering platform
+    # (so jax.export(..., platforms=("cuda",)) works off a GPU)
+    if not interpret and not isinstance(q, jax.core.Tracer) and jax.default_backend() != "gpu":
+        raise ValueError(
+            "implementation='pallas_gpu' needs a CUDA GPU (JAX backend 'gpu'), got backend "
+            f"{jax.default_backend()!r}; pass interpret=True to run it in Pallas interpret "
+            "mode, or use implementation='reference'")
     plan = make_plan(seq_len=T, head_dim=D, windows=window_sizes, num_kv_heads=k.shape[2],
                      dtype=q.dtype, scale=default_scale(D) if scale is None else scale,
                      logit_stats=logit_stats, interpret=interpret, batch=B,

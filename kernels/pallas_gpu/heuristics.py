@@ -128,7 +128,7 @@ def current_gpu(interpret: bool = False) -> Gpu:
     if interpret:
         return Gpu(hopper=True, sms=REFERENCE_SMS)
     target = jax.sharding.get_abstract_mesh().abstract_device
-    if target is not None and target.platform == "gpu":
+    if target is not None and target.platform in ("gpu", "cuda"):
         return gpu_of_kind(target.device_kind, target.num_cores)
     device = jax.devices()[0]
     if device.platform != "gpu":

@@ -13,7 +13,7 @@ What it adds to ``jax.export.export``:
   compiles for that GPU's architecture, and our kernels' launches are planned for it
   (``kernels/pallas_gpu/heuristics.current_gpu``: the Mosaic GPU kernels for a Hopper GPU, the
   Triton ones for another), so the export holds what that GPU runs; on a machine with that
-  GPU it may be left out.
+  GPU it may be left out, on one without a GPU it may not (one line says so).
 * the custom calls of our GPU kernels' Triton lowering are allowed: JAX refuses to serialize
   custom calls whose format it does not promise to keep (its Triton call is one; the TPU
   kernels' ``tpu_custom_call`` and Mosaic GPU's ``mosaic_gpu_v2`` are kept), so such an
@@ -67,7 +67,15 @@ def export(fn, *, platforms, gpu: str | None = None, disabled_checks=()):
             mesh = jax.sharding.AbstractMesh((1,), ("_",), (jax.sharding.AxisType.Explicit,),
                                              abstract_device=device)
             context = jax.sharding.use_abstract_mesh(mesh)
-        with context, exporting_for(platforms):
-            return exporter(*args, **kwargs)
+        try:
+            with context, exporting_for(platforms):
+                return exporter(*args, **kwargs)
+        except RuntimeError as e:  # Pallas' GPU lowering found no GPU to compile for
+            if gpu is None and "AbstractDevice" in str(e):
+                raise ValueError(
+                    "gpu: exporting the GPU kernels from a machine without a GPU needs the "
+                    "target named: gpu=<jax.devices()[0].device_kind on it>, e.g. "
+                    "'NVIDIA H100 80GB HBM3'") from e
+            raise
 
     return run

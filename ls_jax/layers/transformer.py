@@ -47,8 +47,9 @@ def check_table_length(seq_len, max_seq_len: int) -> None:
     except jax.errors.InconclusiveDimensionOperation:
         raise ValueError(
             f"tokens: the symbolic sequence length {seq_len} may exceed model.max_seq_len="
-            f"{max_seq_len} of the learned position table; bound it: jax.export.symbolic_shape("
-            f"'{seq_len}', constraints=('{seq_len} <= {max_seq_len}',))") from None
+            f"{max_seq_len} of the learned position table; add the constraint "
+            f"'{seq_len} <= {max_seq_len}' to its jax.export.symbolic_shape(..., constraints=...)"
+            ) from None
     if too_long:
         raise ValueError(
             f"tokens: sequence length {seq_len} exceeds model.max_seq_len={max_seq_len} of the "

@@ -133,30 +133,39 @@ def print_table(rows, args):
               f"{'slower' if r['slower'] else ''} |")
 
 
-def read_rows(path: str, card: str) -> dict[str, dict]:
+def settings(args) -> dict:
+    """The timing options a row was measured with; rows of one file share them."""
+    return {"reps": args.reps, "warmup": args.warmup, "batch": args.batch}
+
+
+def read_rows(path: str, card: str, args) -> dict[str, dict]:
     """The rows of an earlier ``--out`` file by shape: none where there is no file; the run
-    they continue must be on the same card and JAX (``fail`` otherwise)."""
+    they continue must be on the same card and JAX with the same timing options (``fail``
+    otherwise)."""
     if not os.path.exists(path):
         return {}
     try:
         with open(path) as f:
             earlier = json.load(f)
-        rows = {r["shape"]: r for r in earlier["rows"] if r["shape"] in SHAPES}
-        theirs = (earlier["card"], earlier["jax"])
+        rows = {r["shape"]: r for r in earlier["rows"]}
+        theirs = (earlier["card"], earlier["jax"], earlier["settings"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         fail(f"--resume: {path} is not a shapes.py --out file ({e})")
-    if theirs != (card, jax.__version__):
-        fail(f"--resume: {path} holds rows of {theirs[0]}, jax {theirs[1]}; this run is on "
-             f"{card}, jax {jax.__version__}: name another --out")
+    ours = (card, jax.__version__, settings(args))
+    if theirs != ours:
+        fail(f"--resume: {path} holds rows of {theirs[0]}, jax {theirs[1]}, {theirs[2]}; this "
+             f"run is on {ours[0]}, jax {ours[1]}, {ours[2]}: name another --out")
     return rows
 
 
-def write_rows(path: str, card: str, rows: dict[str, dict]) -> None:
-    """``rows`` (by shape, written in ``SHAPES``' order) to ``path``, all or nothing."""
+def write_rows(path: str, card: str, args, rows: dict[str, dict]) -> None:
+    """``rows`` (by shape, in ``SHAPES``' order, then any others) to ``path``, all or
+    nothing."""
+    order = [n for n in SHAPES if n in rows] + [n for n in rows if n not in SHAPES]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"card": card, "jax": jax.__version__,
-                   "rows": [rows[n] for n in SHAPES if n in rows]}, f, indent=1)
+        json.dump({"card": card, "jax": jax.__version__, "settings": settings(args),
+                   "rows": [rows[n] for n in order]}, f, indent=1)
     os.replace(tmp, path)
 
 
@@ -164,7 +173,7 @@ def measure_all(names: list[str], args, card: str, measure=measure) -> list[dict
     """The rows of ``names`` in turn, each printed as a JSON line when measured; with
     ``args.out`` the file rewritten after each row, and with ``args.resume`` the rows it holds
     kept (their shapes not measured again; rows of other shapes kept in the file too)."""
-    rows = read_rows(args.out, card) if args.resume else {}
+    rows = read_rows(args.out, card, args) if args.resume else {}
     for name in names:
         if name in rows:
             continue
@@ -174,7 +183,7 @@ def measure_all(names: list[str], args, card: str, measure=measure) -> list[dict
         rows[name] = row
         print(json.dumps(row), flush=True)
         if args.out:
-            write_rows(args.out, card, rows)
+            write_rows(args.out, card, args, rows)
     return [rows[n] for n in names]
 
 

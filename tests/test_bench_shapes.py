@@ -85,6 +85,9 @@ def test_bad_input_is_one_line(args, message):
     assert proc.stderr.strip().splitlines() == [f"shapes.py: {message}"]
 
 
+SETTINGS = {"reps": 10, "warmup": 2, "batch": 3}
+
+
 def _fake_measure(measured: list, stop_at: str | None = None):
     def measure(name, args):
         if name == stop_at:
@@ -96,7 +99,7 @@ def _fake_measure(measured: list, stop_at: str | None = None):
 
 def test_a_stopped_run_keeps_its_rows_and_resume_measures_only_the_rest(tmp_path):
     out = str(tmp_path / "rows.json")
-    args, measured = argparse.Namespace(out=out, resume=False), []
+    args, measured = argparse.Namespace(out=out, resume=False, **SETTINGS), []
     with pytest.raises(KeyboardInterrupt):
         shapes.measure_all(["paper-layer", "d64-p512", "d64-gqa"], args, "card",
                            measure=_fake_measure(measured, stop_at="d64-gqa"))
@@ -113,13 +116,17 @@ def test_a_stopped_run_keeps_its_rows_and_resume_measures_only_the_rest(tmp_path
     assert written["card"] == "card" and not os.path.exists(out + ".tmp")
 
 
-def test_resume_on_another_card_is_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("card,reps", [("card-a", 5), ("card-b", 10)],
+                         ids=["other-settings", "other-card"])
+def test_resume_of_another_run_is_one_line(tmp_path, capsys, card, reps):
     out = tmp_path / "rows.json"
-    out.write_text(json.dumps({"card": "NVIDIA H100", "jax": jax.__version__, "rows": []}))
-    args = argparse.Namespace(out=str(out), resume=True)
+    out.write_text(json.dumps({"card": "card-a", "jax": jax.__version__, "settings": SETTINGS,
+                               "rows": []}))
+    ours = dict(SETTINGS, reps=reps)
+    args = argparse.Namespace(out=str(out), resume=True, **ours)
     with pytest.raises(SystemExit) as e:
-        shapes.measure_all(["paper-layer"], args, "NVIDIA H200", measure=_fake_measure([]))
+        shapes.measure_all(["paper-layer"], args, card, measure=_fake_measure([]))
     assert e.value.code == 2
     assert capsys.readouterr().err == (
-        f"shapes.py: --resume: {out} holds rows of NVIDIA H100, jax {jax.__version__}; this run "
-        f"is on NVIDIA H200, jax {jax.__version__}: name another --out\n")
+        f"shapes.py: --resume: {out} holds rows of card-a, jax {jax.__version__}, {SETTINGS}; "
+        f"this run is on {card}, jax {jax.__version__}, {ours}: name another --out\n")

@@ -74,8 +74,7 @@ def export(fn, *, platforms, gpu: str | None = None, disabled_checks=()):
             if gpu is None and "AbstractDevice" in str(e):
                 raise ValueError(
                     "gpu: exporting the GPU kernels from a machine without a GPU needs the "
-                    "target named: gpu=<jax.devices()[0].device_kind on it>, e.g. "
-                    "'NVIDIA H100 80GB HBM3'") from e
+                    "target named: gpu=<jax.devices()[0].device_kind on the target>") from e
             raise
 
     return run

@@ -75,8 +75,8 @@ def _reference(q, k, v):
 
 @pytest.mark.parametrize("impl", ["reference", "pallas_gpu", "pallas_tpu"])
 def test_jvp_and_hessian_vector_product_on_one_device(impl):
-    """Forward mode through the op; the backward that reverse mode runs stays the backend's
-    (kernels/forward_mode.py)."""
+    """Forward mode through the op, to second order; the backward that reverse mode runs stays
+    the backend's (kernels/forward_mode.py)."""
     q, k, v = _inputs()
     tangents = tuple(0.5 * x for x in (q, k, v))
 
@@ -88,6 +88,8 @@ def test_jvp_and_hessian_vector_product_on_one_device(impl):
     ref = f(_reference)
     for transform in (lambda g: jax.jvp(g, (q, k, v), tangents),
                       lambda g: jax.jvp(jax.grad(g, argnums=(0, 1, 2)), (q, k, v), tangents),
+                      lambda g: jax.jvp(lambda *x: jax.jvp(g, x, tangents)[1], (q, k, v),
+                                        tangents),  # forward over forward
                       lambda g: jax.jacfwd(g)(q, k, v)):
         got, want = jax.jit(lambda: transform(ours))(), transform(ref)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

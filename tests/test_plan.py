@@ -147,6 +147,20 @@ def test_a_forward_only_backend_shows_its_forward_alone():
     assert re.search(r"differentiated, cudnn: .*over heads 0-15, causal", text)
 
 
+def test_a_split_call_shows_cudnn_for_the_global_heads_and_ours_for_the_local_ones():
+    """Without the Hopper kernels, a long wide-head mix runs "split" (``dispatch.split_fits``):
+    the plan names cuDNN's call over the global heads and our launches over the rest."""
+    q, kv = sds((1, 32768, 8, 128)), sds((1, 32768, 4, 128))
+    plan = explain(q, kv, kv, (None, None, 128, 128, 128, 128, 128, 128), platform="cuda",
+                   device_kind="some other gpu")
+    assert plan.routes == (Route("cuda", "split", "split"),)
+    text = str(plan)
+    assert re.search(r"split: jax.nn.dot_product_attention\(implementation='cudnn'\), causal, "
+                     r"over the global heads 0-1", text)
+    assert re.search(r"split: local heads 2-7: forward: triton over heads 0-5", text)
+    assert re.search(r"split: local heads 2-7: backward: triton over heads 0-5", text)
+
+
 # -- the call runs its plan --------------------------------------------------------------------
 
 def test_the_call_runs_the_planned_routes(monkeypatch):

@@ -123,6 +123,40 @@ def test_values_below_one_are_refused_in_one_line(run_on_moved_corpus, capsys, f
     assert sorted(os.listdir(workdir)) == before  # nothing evaluated or written
 
 
+@pytest.mark.parametrize("kind", ["a-notes-file", "a-json-file", "a-directory"])
+def test_an_output_that_is_not_a_result_is_refused_and_left_alone(run_on_moved_corpus, capsys,
+                                                                   tmp_path, kind):
+    workdir, moved = run_on_moved_corpus
+    target = tmp_path / "target"
+    if kind == "a-directory":
+        target.mkdir()
+        message = f"error: output: {target} is a directory; expected a path for the JSON result\n"
+    else:
+        target.write_text("my notes" if kind == "a-notes-file" else '{"mine": 1}')
+        message = (f"error: output: {target} exists and is not an evaluation result; name a "
+                   "new path (or an earlier result to rewrite)\n")
+    def results():
+        return sorted(n for n in os.listdir(workdir) if n.startswith("eval_"))
+
+    before = results()
+    assert eval_main(["--checkpoint", workdir, "--output", str(target)]) == 2
+    assert capsys.readouterr().err == message
+    assert results() == before  # nothing evaluated or written
+    if kind != "a-directory":
+        assert target.read_text() in ("my notes", '{"mine": 1}')
+
+
+def test_an_earlier_result_as_output_is_rewritten(run_on_moved_corpus, capsys, tmp_path):
+    workdir, moved = run_on_moved_corpus
+    out = str(tmp_path / "result.json")
+    args = ["--checkpoint", workdir, "--split", "train", f"data.source=text:{moved}/*.txt",
+            "--output", out]
+    assert eval_main(args + ["--max-batches", "1"]) == 0
+    assert eval_main(args + ["--max-batches", "2"]) == 0
+    with open(out) as f:
+        assert json.load(f)["batches"] == 2
+
+
 def test_each_evaluation_keeps_its_own_results(run_on_moved_corpus, capsys):
     """Another batch size, batch count or override: another file; the same evaluation again
     rewrites its own file only."""

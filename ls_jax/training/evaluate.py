@@ -175,6 +175,29 @@ def eval_config(cfg: Config, overrides: list[str] | tuple[str, ...] = ()) -> Con
     return cfg.override(list(overrides))
 
 
+# the fields every result of ``evaluate_checkpoint`` holds, by which a file is recognised as one
+RESULT_FIELDS = ("workdir", "step", "config", "overrides")
+
+
+def check_output(path: str) -> None:
+    """An ``output`` to write: a new file, or an earlier evaluation's result (the same
+    evaluation again rewrites it); anything else is refused before anything runs, in one line,
+    so that no file of another kind is overwritten."""
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path):
+        raise ValueError(f"output: {path} is a directory; expected a path for the JSON result")
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+        ours = isinstance(earlier, dict) and all(k in earlier for k in RESULT_FIELDS)
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise ValueError(f"output: {path} exists and is not an evaluation result; name a new "
+                         "path (or an earlier result to rewrite)")
+
+
 def evaluate_checkpoint(workdir: str, *, step: int | None = None, split: str | None = None,
                         seq_len: int | None = None, max_batches: int | None = None,
                         batch_size: int | None = None, output: str | None = None,
@@ -191,6 +214,8 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, split: str | N
     for name, value in (("seq_len", seq_len), ("max_batches", max_batches),
                         ("batch_size", batch_size)):
         _check_at_least_one(name, value)
+    if output is not None:
+        check_output(output)
     run = RunDir(workdir)
     cfg, step, model = restore_model(run, step, eval_config(run.load_config(), overrides))
     split = split or cfg.data.eval_split

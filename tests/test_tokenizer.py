@@ -80,6 +80,28 @@ def test_train_rejects_too_small_vocab(tmp_path):
         tokenizer_lib.train_sentencepiece("stdlib", tmp_path / "spm", 100)
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--vocab-size", "5"], "error: vocab_size: expected an int > 258"),
+    (["--vocab-size", "400", "--source", "text:/no/such/*.txt"],
+     "error: source: no files match the glob"),
+], ids=["small-vocab", "no-files"])
+def test_cli_bad_input_is_one_line(tmp_path, capsys, args, message):
+    pytest.importorskip("sentencepiece")
+    with pytest.raises(SystemExit) as e:
+        tokenizer_lib.main(["--source", "stdlib", "--output", str(tmp_path / "spm"), *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
+
+
+def test_an_existing_model_is_never_replaced(tmp_path):
+    pytest.importorskip("sentencepiece")
+    (tmp_path / "spm.model").write_bytes(b"a model runs were trained with")
+    with pytest.raises(ValueError, match=r"output: .*spm.model exists .*name a new prefix"):
+        tokenizer_lib.train_sentencepiece("stdlib", tmp_path / "spm", 400)
+    assert (tmp_path / "spm.model").read_bytes() == b"a model runs were trained with"
+
+
 # -- SentencePiece -------------------------------------------------------------------------
 
 SPM_VOCAB = 400

@@ -24,6 +24,7 @@ import abc
 import argparse
 import os
 import pathlib
+import sys
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -202,7 +203,8 @@ def train_sentencepiece(source: str, output_prefix: str | os.PathLike, vocab_siz
     text exactly (identity normalization, whitespace kept, no dummy prefix, byte fallback for
     characters outside the vocabulary); id 0 is <unk>, id 1 is EOS </s>, no BOS or padding.
 
-    Returns the path of the written ``<output_prefix>.model`` (a ``.vocab`` file sits beside it).
+    Returns the path of the written ``<output_prefix>.model`` (a ``.vocab`` file sits beside it);
+    an existing ``.model`` there is refused, never replaced.
     """
     import sentencepiece as spm
 
@@ -219,6 +221,10 @@ def train_sentencepiece(source: str, output_prefix: str | os.PathLike, vocab_siz
     prefix = pathlib.Path(output_prefix)
     if prefix.name.endswith(".model"):
         prefix = prefix.with_name(prefix.name[:-len(".model")])
+    model_path = prefix.with_name(prefix.name + ".model")
+    if model_path.exists():  # a run trained with it reads the same ids from it
+        raise ValueError(f"output: {model_path} exists (the runs trained with it need it as it "
+                         "is); name a new prefix, or delete it first")
     prefix.parent.mkdir(parents=True, exist_ok=True)
 
     documents = load_documents(source, split, text_field=text_field, data_dir=data_dir,
@@ -242,10 +248,12 @@ def train_sentencepiece(source: str, output_prefix: str | os.PathLike, vocab_siz
             f"train_sentencepiece: SentencePiece training failed for source={source!r} "
             f"split={split!r} vocab_size={vocab_size} max_chars={max_chars}: {e} (a vocabulary "
             f"too large for the text needs a larger max_chars or a smaller vocab_size)") from e
-    return str(prefix.with_name(prefix.name + ".model"))
+    return str(model_path)
 
 
 def main(argv: Sequence[str] | None = None) -> str:
+    """The command line: the written model's path; bad input is one ``error:`` line on stderr
+    and exit status 2."""
     parser = argparse.ArgumentParser(
         prog="python -m ls_jax.inputs.tokenizer",
         description="Train a SentencePiece tokenizer on a data source's documents.")
@@ -262,12 +270,17 @@ def main(argv: Sequence[str] | None = None) -> str:
     parser.add_argument("--model-type", default="unigram", choices=("unigram", "bpe"))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    path = train_sentencepiece(
-        args.source, args.output, args.vocab_size, split=args.split,
-        text_field=args.text_field, data_dir=args.data_dir,
-        validation_percent=args.validation_percent, max_chars=args.max_chars,
-        max_chars_per_document=args.max_chars_per_document, model_type=args.model_type,
-        seed=args.seed)
+    try:
+        path = train_sentencepiece(
+            args.source, args.output, args.vocab_size, split=args.split,
+            text_field=args.text_field, data_dir=args.data_dir,
+            validation_percent=args.validation_percent, max_chars=args.max_chars,
+            max_chars_per_document=args.max_chars_per_document, model_type=args.model_type,
+            seed=args.seed)
+    except (ValueError, OSError) as e:  # bad input, an unreadable source: one line, exit 2
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+              file=sys.stderr)
+        raise SystemExit(2) from None
     tok = make_tokenizer(SENTENCEPIECE_PREFIX + path)
     print(f"wrote {path} (vocab_size={tok.vocab_size}, eos_id={tok.eos_id})")
     print(f"use it with: data.tokenizer={SENTENCEPIECE_PREFIX}{path} "

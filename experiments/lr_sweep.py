@@ -40,6 +40,7 @@ import numpy as np
 
 from experiments.byte_corpus import SOURCES, WindowSampler, build_corpus, summary_line
 from experiments.runner import Program, data_mesh, run_steps, variant_config
+from experiments import results_dir
 from experiments.variants import VARIANTS
 from experiments.rules import BLOWUP_FACTOR, TAIL_FRACTION, blew_up, count_spikes
 
@@ -490,7 +491,8 @@ def plot(out, points, variants, lrs) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="output directory (resumable)")
+    parser.add_argument("--out", required=True, type=results_dir,
+                        help="output directory (resumable)")
     parser.add_argument("--preset", default="gpu", choices=tuple(PRESETS))
     parser.add_argument("--smoke", action="store_true", help="same as --preset smoke (CPU)")
     parser.add_argument("--variants", default=",".join(VARIANTS),

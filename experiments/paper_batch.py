@@ -52,6 +52,7 @@ from experiments.byte_corpus import SOURCES, WindowSampler, build_corpus, summar
 from experiments.rules import TAIL_FRACTION, blew_up, count_spikes
 from experiments.runner import (Program, RunRecord, data_mesh, run_steps,
                                 sharded_attention_available, variant_config)
+from experiments import results_dir
 from experiments.variants import VARIANTS
 
 TABLE_EVERY = 10
@@ -424,7 +425,7 @@ def plot(out: str, results: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--out", required=True, type=results_dir, help="output directory")
     parser.add_argument("--preset", default="gpu", choices=tuple(PRESETS))
     parser.add_argument("--smoke", action="store_true", help="same as --preset smoke (CPU)")
     parser.add_argument("--variants", default="ls,mhsa",

@@ -35,6 +35,7 @@ from ls_jax.training.train import TrainingDiverged, train
 
 from experiments.rules import (BLOWUP_FACTOR, SPIKE_FACTOR, SPIKE_WINDOW, TAIL_FRACTION, blew_up,
                                count_spikes)
+from experiments import results_dir
 from experiments.variants import VARIANTS, config_name
 
 # The paper's model (6L, 6 heads x 32, d=192, 1 global + 5 local, p=51, bf16) and optimizer
@@ -217,7 +218,8 @@ def write_report(out: str, variants, statuses: dict[str, dict], base_cfg) -> dic
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True, help="output directory (resumable)")
+    parser.add_argument("--out", required=True, type=results_dir,
+                        help="output directory (resumable)")
     parser.add_argument("--preset", default="smoke", choices=tuple(PRESETS))
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated subset of {','.join(VARIANTS)}")

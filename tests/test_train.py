@@ -298,7 +298,8 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
         return loss * jnp.nan, parts
 
     monkeypatch.setattr(step_lib, "lm_loss", poisoned)
-    with pytest.raises(TrainingDiverged, match=r"diverged at step 5: non-finite loss.*last good checkpoint is step 4"):
+    with pytest.raises(TrainingDiverged,
+                       match=r"diverged at step 5: non-finite loss.*newest good checkpoint is step 4"):
         train(cfg, run, log=quiet)
     ckpt = Checkpointer(run, create=False)
     assert ckpt.all_steps() == [2, 4]

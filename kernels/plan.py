@@ -33,8 +33,8 @@ from ls_jax.kernels import dispatch
 from ls_jax.kernels.dispatch import INTERPRET_IMPLEMENTATIONS
 from ls_jax.kernels.sharded import Call, Layout, head_shard_windows, layout_of, mesh_axes
 
-__all__ = ["CallPlan", "Partitioning", "Route", "check_backend_options",
-           "check_symbolic_length", "partitioning", "plan_call"]
+__all__ = ["CallPlan", "Partitioning", "Route", "check_backend_options", "partitioning",
+           "plan_call"]
 
 # backends that call JAX's cuDNN attention (kernels/cudnn.py, kernels/split.py), which lowers
 # for CUDA alone: a program exported for several platforms runs "pallas_gpu" in their place
